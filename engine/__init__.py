@@ -1,0 +1,1 @@
+"""The decode engine: backends, drafters, the exact sampler and the verify loop."""

@@ -1,0 +1,299 @@
+"""The decode loop: draft, verify in one pass, commit the matching prefix, roll back the rest.
+
+Each pass holds the pending token (the last one committed, not yet in the cache) and up to k
+drafts. Row j's logits choose the target's token t_j for absolute position base + j + 1 with the
+exact sampler. Drafts are accepted while d_j == t_j; the first t_j that differs is committed in
+place of its draft, and if every draft matched the last row's choice is committed too. The
+committed tokens are exactly the ones serial decoding would have produced, whatever the drafter
+proposed: drafting changes how many passes a reply takes, never the reply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from .backend import CacheState, MLXBackend
+from .depth import DepthController
+from .drafters import Drafter
+from .sampler import SamplingParams, choose
+from .selfcheck import ExactnessReport
+
+
+@dataclass
+class GenerationConfig:
+    """What one reply may be: its sampler, length, stop strings, and whether to draft."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    draft: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, not {self.max_tokens}")
+
+
+@dataclass
+class DecodeStats:
+    """Counters and clocks of one reply (DESIGN contract 3, the engine's part)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    total_seconds: float = 0.0
+    draft_method: str = "none"
+    verify_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    pass_seconds: list[float] = field(default_factory=list)
+    emit_times: list[float] = field(default_factory=list)  # seconds since start, per token
+
+    @property
+    def discarded(self) -> int:
+        return self.drafted - self.accepted
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.completion_tokens / self.verify_passes if self.verify_passes else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens after the first over the time after the first (llama.cpp's predicted rate)."""
+        if self.completion_tokens < 2 or self.decode_seconds <= 0:
+            return 0.0
+        return (self.completion_tokens - 1) / self.decode_seconds
+
+    def record_position(self, position: int, accepted: bool) -> None:
+        while len(self.proposed_per_position) <= position:
+            self.proposed_per_position.append(0)
+            self.accepted_per_position.append(0)
+        self.proposed_per_position[position] += 1
+        self.accepted_per_position[position] += int(accepted)
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    text: str
+    finish_reason: str  # stop | length
+    stats: DecodeStats
+
+    @property
+    def token_sha(self) -> str:
+        return token_sha(self.tokens)
+
+
+def token_sha(tokens: Sequence[int]) -> str:
+    """sha256 of the token ids (little-endian int32): the fingerprint audits compare."""
+    return hashlib.sha256(b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens)).hexdigest()
+
+
+class Detokenizer:
+    """Incremental text from token ids that never splits a UTF-8 character."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix = 0  # tokens before this are settled; decode from here for context
+        self.read = 0  # text of tokens[prefix:read] was already emitted
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        """Append a token; return the text it completed ('' while a character is incomplete)."""
+        self.tokens.append(token)
+        before = self.tokenizer.decode(self.tokens[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.tokens[self.prefix :], skip_special_tokens=True)
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""  # an incomplete character: wait for the next token
+        delta = after[len(before) :]
+        self.prefix, self.read = self.read, len(self.tokens)
+        self.text += delta
+        return delta
+
+
+@dataclass
+class Delta:
+    """Newly committed tokens and the text they completed."""
+
+    tokens: list[int]
+    text: str
+
+
+class Generation:
+    """Iterate for `Delta`s; `completion` is set once the reply is finished."""
+
+    def __init__(self, steps: Iterator[Delta]) -> None:
+        self._steps = steps
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> Iterator[Delta]:
+        self.completion = yield from self._steps
+
+    def run(self) -> Completion:
+        for _ in self:
+            pass
+        assert self.completion is not None
+        return self.completion
+
+
+class Engine:
+    """One model, one drafter, and the loop that makes drafting exact."""
+
+    def __init__(
+        self,
+        backend: MLXBackend,
+        tokenizer,
+        eos_token_ids: set[int],
+        drafter: Drafter | None = None,
+        exactness: ExactnessReport | None = None,
+        chunk_size: int = 2048,
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.drafter = drafter
+        self.exactness = exactness or ExactnessReport(max_width=1)
+        self.chunk_size = chunk_size
+        self.controller = DepthController(max_depth=max(0, self.exactness.max_width - 1))
+        for rows, seconds in self.exactness.pass_seconds.items():
+            self.controller.observe_pass(rows, seconds)
+        self.unverified_commit = False  # test-only: commit drafts without checking them
+
+    @property
+    def max_drafts(self) -> int:
+        return self.controller.max_depth if self.drafter is not None else 0
+
+    def plan(self, start: int, end: int, cuts: Sequence[int] = ()) -> list[int]:
+        """Prefill chunk boundaries in (start, end): absolute multiples of chunk_size, plus `cuts`."""
+        first = (start // self.chunk_size + 1) * self.chunk_size
+        grid = range(first, end, self.chunk_size)
+        return sorted({*grid, *(c for c in cuts if start < c < end)})
+
+    def generate(self, prompt: Sequence[int], config: GenerationConfig, cache: CacheState | None = None,
+                 cuts: Sequence[int] = ()) -> Completion:
+        return Generation(self._decode(prompt, config, cache, cuts)).run()
+
+    def stream(self, prompt: Sequence[int], config: GenerationConfig, cache: CacheState | None = None,
+               cuts: Sequence[int] = ()) -> Generation:
+        return Generation(self._decode(prompt, config, cache, cuts))
+
+    def _decode(self, prompt: Sequence[int], config: GenerationConfig, cache: CacheState | None,
+                cuts: Sequence[int]) -> Iterator[Delta]:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        started = time.perf_counter()
+        cache = cache if cache is not None else self.backend.new_cache()
+        if cache.tokens != list(prompt[: cache.length]) or cache.length >= len(prompt):
+            raise ValueError("the cache does not hold a proper prefix of this prompt")
+        stats = DecodeStats(prompt_tokens=len(prompt), cached_tokens=cache.length)
+        todo = list(prompt[cache.length : -1])
+        self.backend.prefill(todo, cache, self.plan(cache.length, len(prompt) - 1, cuts))
+        stats.prefilled_tokens = len(todo) + 1
+        stats.prefill_seconds = time.perf_counter() - started
+
+        params = config.params
+        drafting = config.draft and self.drafter is not None and self.max_drafts > 0
+        stats.draft_method = self.drafter.name if drafting else "none"
+        history = list(prompt)
+        emitted: list[int] = []
+        detok = Detokenizer(self.tokenizer)
+        sent = 0  # characters of detok.text already streamed
+        finish = None
+        while finish is None:
+            room = config.max_tokens - len(emitted) - 1
+            drafts: list[int] = []
+            draft_seconds = 0.0
+            if drafting and room > 0:
+                depth = self.controller.depth(room)
+                if depth:
+                    began = time.perf_counter()
+                    drafts = self.drafter.propose(history, depth, params)[:depth]
+                    draft_seconds = time.perf_counter() - began
+            rows = [history[-1], *drafts]
+            base = cache.length  # absolute position of row 0's token
+            checkpoint = self.backend.checkpoint(cache) if drafts else None
+            began = time.perf_counter()
+            logits = self.backend.forward(rows, cache)
+            committed: list[int] = []
+            for j in range(len(rows)):
+                token = choose(logits[j], base + j + 1, params)
+                if j < len(drafts) and self.unverified_commit:
+                    token = drafts[j]
+                committed.append(token)
+                if j < len(drafts):
+                    stats.record_position(j, drafts[j] == token)
+                    if drafts[j] == token:
+                        continue
+                break
+            accepted = len(committed) - 1
+            if checkpoint is not None:
+                self.backend.rollback(cache, checkpoint, accepted + 1)
+            seconds = time.perf_counter() - began
+            stats.verify_passes += 1
+            stats.pass_seconds.append(seconds)
+            stats.drafted += len(drafts)
+            stats.accepted += accepted
+            self.controller.observe_pass(len(rows), seconds)
+            if drafting:
+                self.controller.observe_drafts(len(drafts), accepted, draft_seconds)
+
+            now = time.perf_counter() - started
+            new_tokens: list[int] = []
+            for index, token in enumerate(committed):
+                history.append(token)
+                emitted.append(token)
+                new_tokens.append(token)
+                stats.emit_times.append(now)
+                if token in self.eos_token_ids:
+                    finish = "stop"
+                else:
+                    detok.add(token)
+                    hit = _find_stop(detok.text, config.stop)
+                    if hit is not None:
+                        detok.text = detok.text[:hit]
+                        finish = "stop"
+                if finish is None and len(emitted) >= config.max_tokens:
+                    finish = "length"
+                if finish is not None:
+                    if index < len(committed) - 1 and checkpoint is not None:
+                        self.backend.rollback(cache, checkpoint, index + 1)
+                    break
+            if len(emitted) == len(new_tokens):
+                stats.ttft_seconds = now
+            safe = len(detok.text) if finish else len(detok.text) - _held_back(detok.text, config.stop)
+            text, sent = detok.text[sent:safe], max(sent, safe)
+            yield Delta(new_tokens, text)
+
+        stats.completion_tokens = len(emitted)
+        stats.total_seconds = time.perf_counter() - started
+        stats.decode_seconds = stats.total_seconds - stats.ttft_seconds
+        return Completion(emitted, detok.text, finish, stats)
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [text.find(stop) for stop in stops if stop and stop in text]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of `text` that could still grow into a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest

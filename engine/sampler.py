@@ -1,0 +1,98 @@
+"""The exact sampler of DESIGN contract 1.
+
+The token at absolute position p is argmax_i(logit_i / T + g(seed, p, i)) over the candidates that
+survive top-k, top-p and min-p, with g Gumbel noise hashed from (seed, p, i). T = 0 is greedy:
+argmax_i logit_i, ties to the lowest id. A choice depends only on the row's logits, the seed and
+p, never on how many rows a pass had or which drafter proposed the token: that is what makes a
+drafted reply byte-identical to a serial one. Drafters call the same function on their own
+logits, so they draw with the same noise and agree with the target more often.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one reply is drawn. `seed` only matters when temperature > 0."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, not {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], not {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = (x + _GOLDEN) & _MASK64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+        return x ^ (x >> np.uint64(31))
+
+
+def uniform(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
+    """u in (0, 1) hashed from (seed, position, token id); float64."""
+    with np.errstate(over="ignore"):
+        key = _splitmix64(np.array([np.uint64(seed & 0xFFFFFFFFFFFFFFFF)], dtype=np.uint64))
+        key = _splitmix64(key ^ np.uint64(position & 0xFFFFFFFFFFFFFFFF))
+        bits = _splitmix64(key ^ token_ids.astype(np.uint64))
+    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+
+
+def gumbel(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
+    """g = -log(-log(u)): the noise that turns an argmax into an exact softmax draw."""
+    return -np.log(-np.log(uniform(seed, position, token_ids)))
+
+
+def candidates(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Token ids that survive top-k, then top-p, then min-p (on softmax(logits / T)), ascending."""
+    logits = logits.astype(np.float64)
+    ids = np.arange(logits.shape[0])
+    if params.top_k and params.top_k < logits.shape[0]:
+        order = np.lexsort((ids, -logits))  # by logit descending, ties to the lowest id
+        ids = np.sort(order[: params.top_k])
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        scaled = logits[ids] / params.temperature
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        keep = np.ones(ids.shape[0], dtype=bool)
+        if params.top_p < 1.0:
+            order = np.lexsort((ids, -probs))
+            before = np.cumsum(probs[order]) - probs[order]  # mass strictly before each token
+            keep_sorted = before < params.top_p
+            keep = np.zeros_like(keep)
+            keep[order[keep_sorted]] = True
+        if params.min_p > 0.0:
+            keep &= probs >= params.min_p * probs.max()
+        ids = ids[keep]
+    return ids
+
+
+def choose(logits: np.ndarray, position: int, params: SamplingParams) -> int:
+    """The token for absolute `position` from one row of logits (float32, shape [vocab])."""
+    if params.greedy:
+        return int(np.argmax(logits))  # first maximum: ties go to the lowest id
+    ids = candidates(logits, params)
+    scores = logits[ids].astype(np.float64) / params.temperature + gumbel(params.seed, position, ids)
+    return int(ids[int(np.argmax(scores))])

@@ -1,0 +1,87 @@
+"""Load-time row-exactness self-check (DESIGN contract 1).
+
+On a probe, run one-row steps and remember their logits; then, from the same cache state, run
+passes of w rows and compare every row bit for bit (and, for recurrent models, the step after
+the pass, which checks the state the pass left). The widest w for which every width up to it
+matches is the widest verify pass the engine may use; if even two rows differ, drafting is off.
+The timings of these passes seed the depth controller's cost model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import MLXBackend
+
+
+@dataclass
+class ExactnessReport:
+    """What the self-check found; `max_width` 1 means drafting is off."""
+
+    max_width: int
+    checked: dict[int, bool] = field(default_factory=dict)
+    max_abs_diff: dict[int, float] = field(default_factory=dict)
+    pass_seconds: dict[int, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def drafting(self) -> bool:
+        return self.max_width > 1
+
+    def describe(self) -> str:
+        if not self.checked:
+            return "row-exactness not checked"
+        failed = [w for w, ok in sorted(self.checked.items()) if not ok]
+        if not self.drafting:
+            return f"drafting off: a {failed[0]}-row pass is not row-exact on this backend"
+        text = f"row-exact up to {self.max_width} rows"
+        if failed:
+            text += f" ({failed[0]} rows differ by {self.max_abs_diff[failed[0]]:.1e}: passes capped)"
+        return text
+
+
+def probe_tokens(vocab_size: int, count: int) -> list[int]:
+    """A fixed, ordinary-looking token sequence (no special ids at the bottom of the vocabulary)."""
+    rng = np.random.default_rng(1234)
+    low = min(256, vocab_size // 4)
+    return [int(t) for t in rng.integers(low, vocab_size, size=count)]
+
+
+def check_row_exactness(backend: MLXBackend, max_width: int = 16, prompt_length: int = 40) -> ExactnessReport:
+    started = time.perf_counter()
+    vocab = backend.vocab_size or 1000
+    tokens = probe_tokens(vocab, prompt_length + max_width + 1)
+    prompt, rows = tokens[:prompt_length], tokens[prompt_length:]
+    cache = backend.new_cache()
+    backend.prefill(prompt, cache)
+    base = backend.checkpoint(cache)
+
+    serial: list[np.ndarray] = []
+    for token in rows:
+        began = time.perf_counter()
+        serial.append(backend.forward([token], cache)[0].copy())
+        one_row = time.perf_counter() - began
+    report = ExactnessReport(max_width=1, pass_seconds={1: one_row})
+    backend.rollback(cache, base, 0)
+
+    for width in range(2, max_width + 1):
+        began = time.perf_counter()
+        logits = backend.forward(rows[:width], cache)
+        report.pass_seconds[width] = time.perf_counter() - began
+        same = all(np.array_equal(logits[j], serial[j]) for j in range(width))
+        diff = max(float(np.max(np.abs(logits[j] - serial[j]))) for j in range(width))
+        if same and backend.has_recurrent_state:
+            after = backend.forward([rows[width]], cache)[0]
+            same = np.array_equal(after, serial[width])
+            diff = max(diff, float(np.max(np.abs(after - serial[width]))))
+        backend.rollback(cache, base, 0)
+        report.checked[width] = same
+        report.max_abs_diff[width] = diff
+        if not same:
+            break
+        report.max_width = width
+    report.seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,1 @@
+"""Sessions: conversations by id, KV snapshots on disk, SQLite index, prefill plan."""
