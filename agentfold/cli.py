@@ -1,0 +1,154 @@
+"""The `agentfold` command line: generate, convert, bench.
+
+Errors the user can fix end in one readable line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+import agentfold  # noqa: F401  (sets up the fast BLAS before mlx is imported)
+
+
+def _progress(message: str) -> None:
+    print(f"[agentfold] {message}", file=sys.stderr, flush=True)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="GGUF file or MLX/Hugging Face folder (default: embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "keep"],
+                        help="weights dtype after loading (float32 is fastest on CPU)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentfold", description="Local inference runtime for coding agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a reply to a prompt, streamed")
+    _add_model_args(gen)
+    gen.add_argument("prompt", help="the user message (use - to read stdin)")
+    gen.add_argument("--draft-model", help="a small model sharing the tokenizer, used as drafter")
+    gen.add_argument("--drafter", default="suffix", choices=["suffix", "draft-model", "none"])
+    gen.add_argument("--no-draft", action="store_true", help="serial reference decoding")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--system", help="system message")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print the telemetry line as JSON")
+
+    conv = sub.add_parser("convert", help="write a GGUF file as an MLX folder")
+    conv.add_argument("gguf")
+    conv.add_argument("out_dir")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "keep"])
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON out)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    decode = bench_sub.add_parser("decode", help="serial vs drafted vs mlx_lm on code edit, fresh code, prose")
+    _add_model_args(decode)
+    decode.add_argument("--draft-model")
+    decode.add_argument("--max-tokens", type=int, default=128)
+    decode.add_argument("--quick", action="store_true")
+    decode.add_argument("--out", required=True, help="JSON file to write")
+    return parser
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .engine.decode import GenerationConfig
+    from .engine.factory import build_engine
+    from .engine.sampler import SamplingParams
+    from .models import resolve
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, seed=args.seed)
+    config = GenerationConfig(params=params, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                              draft=not args.no_draft)
+    drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
+    engine = build_engine(resolve(args.model), dtype=args.dtype, drafter=drafter,
+                          draft_model=args.draft_model, progress=_progress)
+    tokenizer = engine.tokenizer
+    if args.raw or not tokenizer.chat_template:
+        ids = tokenizer.encode(prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    generation = engine.stream(ids, config)
+    for delta in generation:
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    completion = generation.completion
+    stats = completion.stats
+    sys.stdout.write("\n")
+    line = {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "finish_reason": completion.finish_reason,
+        "prefill_tps": round(stats.prefilled_tokens / stats.prefill_seconds, 1) if stats.prefill_seconds else None,
+        "ttft_ms": round(stats.ttft_seconds * 1000, 1),
+        "decode_tps": round(stats.decode_tps, 2),
+        "passes": stats.verify_passes,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "tokens_per_pass": round(stats.tokens_per_pass, 2),
+        "draft_method": stats.draft_method,
+        "exactness": engine.exactness.describe(),
+        "token_sha": completion.token_sha[:16],
+    }
+    if args.json:
+        print(json.dumps(line), file=sys.stderr)
+    else:
+        print(
+            f"[agentfold] {line['completion_tokens']} tokens, {line['decode_tps']} tok/s, "
+            f"{line['passes']} passes, {line['drafted']} drafted, {line['accepted']} accepted, "
+            f"{line['tokens_per_pass']} tokens/pass, ttft {line['ttft_ms']} ms ({line['draft_method']}; "
+            f"{line['exactness']})",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .engine.loader import convert_gguf
+
+    _progress(f"converting {args.gguf} to {args.out_dir} ({args.dtype})")
+    out = convert_gguf(args.gguf, args.out_dir, args.dtype)
+    _progress(f"wrote {out}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import bench_decode
+
+    result = bench_decode(args.model, args.out, draft_model=args.draft_model, max_tokens=args.max_tokens,
+                          dtype=args.dtype, quick=args.quick, progress=_progress)
+    _progress(f"wrote {args.out}")
+    for name, row in result.get("workloads", {}).items():
+        _progress(f"{name}: " + ", ".join(f"{k}={v}" for k, v in row.items() if isinstance(v, (int, float, bool))))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    handlers = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench}
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, OSError) as error:
+        print(f"agentfold: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Shared fixtures: the real small models, found or converted once into a cache outside the repo."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import agentfold  # noqa: F401  (fast BLAS before mlx)
+import pytest
+from tqdm import tqdm
+
+from agentfold.engine.factory import build_engine
+from agentfold.engine.loader import convert_gguf
+from agentfold.models import cache_dir, default_model_path, gemma3_path
+
+
+def converted(gguf: Path, dtype: str = "float32") -> Path:
+    """The MLX folder for `gguf`, converted on first use (the cache key is the file's size and mtime)."""
+    stat = gguf.stat()
+    out = cache_dir() / f"{gguf.stem}-{dtype}-{stat.st_size}-{int(stat.st_mtime)}"
+    if not (out / "config.json").exists():
+        with tqdm(total=1, desc=f"converting {gguf.name} ({dtype})", file=sys.stderr) as bar:
+            convert_gguf(gguf, out, dtype)
+            bar.update(1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(smollm2_gguf: Path) -> Path:
+    return converted(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_gguf: Path):
+    """The real SmolLM2-135M-Instruct engine (float32, suffix drafter, self-checked)."""
+    return build_engine(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def gemma3_folder() -> Path:
+    return converted(gemma3_path())
+
+
+def chat_ids(tokenizer, user: str, system: str | None = None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
