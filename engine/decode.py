@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 from .backend import CacheState, MLXBackend
+from .constraints import GrammarConstraint
 from .depth import DepthController
 from .drafters import Drafter
 from .sampler import SamplingParams, choose
@@ -30,6 +31,7 @@ class GenerationConfig:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     draft: bool = True
+    grammar: str | None = None  # llguidance (Lark) grammar every row is masked with
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -44,6 +46,7 @@ class DecodeStats:
     cached_tokens: int = 0
     prefilled_tokens: int = 0
     completion_tokens: int = 0
+    first_pass_tokens: int = 0
     prefill_seconds: float = 0.0
     ttft_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -71,10 +74,11 @@ class DecodeStats:
 
     @property
     def decode_tps(self) -> float:
-        """Tokens after the first over the time after the first (llama.cpp's predicted rate)."""
-        if self.completion_tokens < 2 or self.decode_seconds <= 0:
+        """Tokens committed after the first pass over the time after it (llama.cpp's predicted rate)."""
+        later = self.completion_tokens - self.first_pass_tokens
+        if later < 1 or self.decode_seconds <= 0:
             return 0.0
-        return (self.completion_tokens - 1) / self.decode_seconds
+        return later / self.decode_seconds
 
     def record_position(self, position: int, accepted: bool) -> None:
         while len(self.proposed_per_position) <= position:
@@ -168,8 +172,7 @@ class Engine:
         self.exactness = exactness or ExactnessReport(max_width=1)
         self.chunk_size = chunk_size
         self.controller = DepthController(max_depth=max(0, self.exactness.max_width - 1))
-        for rows, seconds in self.exactness.pass_seconds.items():
-            self.controller.observe_pass(rows, seconds)
+        self.controller.seed_costs(self.exactness.pass_seconds)
         self.unverified_commit = False  # test-only: commit drafts without checking them
 
     @property
@@ -209,6 +212,7 @@ class Engine:
         stats.draft_method = self.drafter.name if drafting else "none"
         history = list(prompt)
         emitted: list[int] = []
+        constraint = GrammarConstraint(self.tokenizer, config.grammar) if config.grammar else None
         detok = Detokenizer(self.tokenizer)
         sent = 0  # characters of detok.text already streamed
         finish = None
@@ -229,9 +233,12 @@ class Engine:
             logits = self.backend.forward(rows, cache)
             committed: list[int] = []
             for j in range(len(rows)):
-                token = choose(logits[j], base + j + 1, params)
+                row = constraint.mask(logits[j]) if constraint is not None else logits[j]
+                token = choose(row, base + j + 1, params)
                 if j < len(drafts) and self.unverified_commit:
                     token = drafts[j]
+                if constraint is not None:
+                    constraint.advance(token)  # row j + 1 is read only if this token was the draft
                 committed.append(token)
                 if j < len(drafts):
                     stats.record_position(j, drafts[j] == token)
@@ -273,6 +280,7 @@ class Engine:
                     break
             if len(emitted) == len(new_tokens):
                 stats.ttft_seconds = now
+                stats.first_pass_tokens = len(new_tokens)
             safe = len(detok.text) if finish else len(detok.text) - _held_back(detok.text, config.stop)
             text, sent = detok.text[sent:safe], max(sent, safe)
             yield Delta(new_tokens, text)

@@ -11,18 +11,38 @@ from __future__ import annotations
 
 
 class DepthController:
-    def __init__(self, max_depth: int, prior: float = 0.6, decay: float = 0.85, recover: float = 0.02) -> None:
+    def __init__(self, max_depth: int, prior: float = 0.6, decay: float = 0.85, recover: float = 0.02,
+                 probe_every: int = 16) -> None:
         self.max_depth = max_depth
         self.prior = prior
         self.acceptance = prior
         self.decay = decay
         self.recover = recover
-        self.pass_seconds: dict[int, float] = {}
+        self.probe_every = probe_every
+        self.serial_seconds: float | None = None  # a one-row pass, tracked all the time
+        self.ratios: dict[int, float] = {}  # t(w) / t(1): stable under load, unlike seconds
         self.draft_seconds = 0.0  # drafter time per proposed token
+        self._undrafted = 0  # passes since drafts were last verified
 
     def observe_pass(self, rows: int, seconds: float) -> None:
-        old = self.pass_seconds.get(rows)
-        self.pass_seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        if rows == 1:
+            old = self.serial_seconds
+            self.serial_seconds = seconds if old is None else 0.8 * old + 0.2 * seconds
+            self._undrafted += 1
+            return
+        self._undrafted = 0
+        if self.serial_seconds:
+            ratio = seconds / self.serial_seconds
+            old = self.ratios.get(rows)
+            self.ratios[rows] = ratio if old is None else 0.7 * old + 0.3 * ratio
+
+    def seed_costs(self, pass_seconds: dict[int, float]) -> None:
+        """Relative pass costs measured at load (the self-check's timings)."""
+        one = pass_seconds.get(1)
+        if not one:
+            return
+        self.serial_seconds = one
+        self.ratios.update({w: t / one for w, t in pass_seconds.items() if w > 1})
 
     def observe_drafts(self, proposed: int, accepted: int, draft_seconds: float) -> None:
         """Update acceptance from one verify pass: `accepted` of the first `proposed` matched."""
@@ -37,33 +57,40 @@ class DepthController:
         per_token = draft_seconds / proposed
         self.draft_seconds = 0.8 * self.draft_seconds + 0.2 * per_token if self.draft_seconds else per_token
 
-    def cost(self, rows: int) -> float:
-        """Estimated seconds of a `rows`-row pass (linear between measured widths)."""
-        known = self.pass_seconds
+    def ratio(self, rows: int) -> float:
+        """Estimated cost of a `rows`-row pass relative to one row (linear between measured widths)."""
+        known = {1: 1.0, **self.ratios}
         if rows in known:
             return known[rows]
-        if not known:
-            return float(rows)  # nothing measured yet: assume the worst (linear cost)
         widths = sorted(known)
-        lower = [w for w in widths if w < rows]
+        lower = max(w for w in widths if w < rows)
         upper = [w for w in widths if w > rows]
-        if lower and upper:
-            a, b = lower[-1], upper[0]
-            return known[a] + (known[b] - known[a]) * (rows - a) / (b - a)
-        if lower:
-            a = lower[-1]
-            slope = (known[a] - known[widths[0]]) / (a - widths[0]) if a > widths[0] else known[a]
-            return known[a] + slope * (rows - a)
-        return known[upper[0]]
+        if upper:
+            b = upper[0]
+            return known[lower] + (known[b] - known[lower]) * (rows - lower) / (b - lower)
+        if len(widths) == 1:
+            return float(rows)  # nothing measured: assume the worst (linear cost)
+        first = widths[0]
+        slope = (known[lower] - known[first]) / (lower - first)
+        return known[lower] + slope * (rows - lower)
 
     def depth(self, limit: int | None = None) -> int:
-        """Drafts to verify in the next pass (0: a serial step pays best)."""
+        """Drafts to verify in the next pass (0: a serial step pays best).
+
+        Every `probe_every` undrafted passes a short probe is allowed, so that noisy timings or a
+        bad stretch never switch drafting off for good.
+        """
         cap = self.max_depth if limit is None else min(self.max_depth, limit)
-        best_k, best_rate = 0, 1.0 / self.cost(1)
+        if cap <= 0:
+            return 0
+        draft_ratio = self.draft_seconds / self.serial_seconds if self.serial_seconds else 0.0
+        best_k, best_rate = 0, 1.0
         expected = 1.0
         for k in range(1, cap + 1):
             expected += self.acceptance**k
-            rate = expected / (self.cost(k + 1) + k * self.draft_seconds)
+            rate = expected / (self.ratio(k + 1) + k * draft_ratio)
             if rate > best_rate * 1.02:  # a margin: noise alone should not start drafting
                 best_k, best_rate = k, rate
+        if best_k == 0 and self._undrafted >= self.probe_every:
+            return min(cap, 2)
         return best_k

@@ -9,7 +9,8 @@ tokens after it.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 

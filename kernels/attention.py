@@ -58,5 +58,5 @@ def install(model: Any) -> list[str]:
 def uninstall() -> None:
     """Restore MLX-LM's own attention (for baselines and the negative self-check)."""
     for name, original in _installed.items():
-        setattr(sys.modules[name], "scaled_dot_product_attention", original)
+        sys.modules[name].scaled_dot_product_attention = original
     _installed.clear()

@@ -1,0 +1,1 @@
+"""HTTP server: OpenAI Chat / Completions / Responses, Anthropic Messages, MCP mount, metrics."""

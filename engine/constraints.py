@@ -1,0 +1,103 @@
+"""Grammar-constrained decoding (llguidance) that keeps drafting exact.
+
+A constraint masks each row's logits with the tokens its grammar allows after everything
+committed so far. The decode loop advances it only with tokens it commits, in order, and row
+j + 1 is read only when draft j was accepted, so row j's mask is computed from exactly the state
+serial decoding has at that position: the same mask on serial and verify rows, the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Constraint(Protocol):
+    def mask(self, logits: np.ndarray) -> np.ndarray: ...
+
+    def advance(self, token: int) -> None: ...
+
+
+class GrammarConstraint:
+    """An llguidance matcher over one reply; `mask` returns a copy with disallowed tokens at -inf."""
+
+    def __init__(self, tokenizer: Any, grammar: str) -> None:
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), grammar)
+        if self.matcher.is_error():
+            raise ValueError(f"invalid grammar: {self.matcher.get_error()}")
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little").astype(bool)
+        if allowed.shape[0] < vocab_size:
+            allowed = np.concatenate([allowed, np.zeros(vocab_size - allowed.shape[0], dtype=bool)])
+        return allowed[:vocab_size]
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        masked = np.where(self.allowed(logits.shape[0]), logits, np.float32(-np.inf)).astype(logits.dtype)
+        return masked
+
+    def advance(self, token: int) -> None:
+        self.matcher.consume_token(int(token))
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+@lru_cache(maxsize=4)
+def _cached_ll_tokenizer(tokenizer_id: int, tokenizer: Any) -> Any:
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer)
+
+
+def _ll_tokenizer(tokenizer: Any) -> Any:
+    """Building llguidance's tokenizer costs about a second: once per tokenizer."""
+    return _cached_ll_tokenizer(id(tokenizer), tokenizer)
+
+
+# one line, standard separators: short calls that any JSON parser and any client display reads
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def tool_call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """JSON schema of one `{"name": ..., "arguments": {...}}` call to an OpenAI-style function tool."""
+    function = tool.get("function", tool)
+    parameters = function.get("parameters") or function.get("input_schema") or {"type": "object"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def tool_call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None, parallel: bool = True) -> str:
+    """Lark grammar for one or more `<tool_call>{json}</tool_call>` blocks (Hermes / Qwen format).
+
+    `name` forces one function; otherwise any of `tools` may be called.
+    """
+    chosen = [t for t in tools if (t.get("function", t)).get("name") == name] if name else list(tools)
+    if not chosen:
+        raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    schemas = [tool_call_schema(t) for t in chosen]
+    schema = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
+    schema["x-guidance"] = _COMPACT
+    repeat = "+" if parallel else ""
+    return (
+        f"start: call{repeat}\n"
+        'call: "<tool_call>\\n" body "\\n</tool_call>" "\\n"?\n'
+        f"body: %json {json.dumps(schema)}\n"
+    )
+
+
+def json_object_grammar() -> str:
+    """Any JSON object (`response_format: json_object`)."""
+    return f"start: body\nbody: %json {json.dumps({'type': 'object', 'x-guidance': _COMPACT})}\n"
