@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import agentfold  # noqa: F401  (sets up the fast BLAS before mlx is imported)
 

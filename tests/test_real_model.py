@@ -10,7 +10,7 @@ import pytest
 
 from agentfold.engine.backend import MLXBackend
 from agentfold.engine.decode import Engine, GenerationConfig
-from agentfold.engine.drafters import DraftModelDrafter, SuffixLookupDrafter
+from agentfold.engine.drafters import DraftModelDrafter
 from agentfold.engine.loader import LoadedModel, load_model
 from agentfold.engine.sampler import SamplingParams
 from agentfold.engine.selfcheck import check_row_exactness
@@ -42,7 +42,7 @@ PROMPTS = [
     "Write a regular expression that matches an email address.",
     "Say hello in three languages.",
     "Describe the smell of rain.",
-    f"Fix the bug: ```python\ndef mean(xs):\n    return sum(xs) / len(xs) + 1\n```",
+    "Fix the bug: ```python\ndef mean(xs):\n    return sum(xs) / len(xs) + 1\n```",
 ]
 
 GREEDY = SamplingParams()
