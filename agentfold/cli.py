@@ -57,6 +57,10 @@ def _build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--max-tokens", type=int, default=128)
     decode.add_argument("--quick", action="store_true")
     decode.add_argument("--out", required=True, help="JSON file to write")
+
+    from . import integrate
+
+    integrate.add_parser(sub)
     return parser
 
 
@@ -140,7 +144,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handlers = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench}
+    from . import integrate
+
+    handlers = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench, "integrate": integrate.run}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
