@@ -1,0 +1,263 @@
+"""Conversations by id, served from stored snapshots without changing a byte (DESIGN contract 2).
+
+The prefill plan is what makes a resumed reply equal a fresh one. Every prompt, fresh or resumed,
+is prefilled in chunks cut at absolute multiples of the engine's chunk size and at the start of
+each assistant message, including the one about to be generated. A snapshot is stored where the
+prompt's last cut falls (the start of the reply), and is only restored where a fresh prefill of
+the new prompt would also stop, after the same chunks. The next turn's prompt is the previous one
+plus that reply and a new message, so it restores the state at the start of the previous reply
+and prefills exactly the chunks a fresh prefill computes from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+
+from ..engine.backend import CacheState
+from ..engine.decode import Completion, Engine, GenerationConfig
+from ..kernels import attention
+from .store import DEFAULT_BUDGET, DEFAULT_HOT_BYTES, LAYOUT_VERSION, SnapshotError, SnapshotStore
+
+log = logging.getLogger(__name__)
+
+PLAN_VERSION = 1  # chunk grid + assistant-message starts; bump when the plan changes
+
+Message = dict[str, Any]
+
+
+@dataclass
+class TurnInfo:
+    """What the cache did for one reply (the sessions part of the telemetry row)."""
+
+    session_id: str
+    turn_index: int
+    prompt_tokens: int
+    cached_tokens: int  # tokens restored from a snapshot, not prefilled
+    snapshot_id: str | None  # the snapshot restored, if any
+    saved_snapshot_id: str | None  # the state at the prompt's last cut, for the next turn
+    cuts: list[int] = field(default_factory=list)
+    miss_reasons: list[str] = field(default_factory=list)  # why a (longer) prefix was not reused
+    restore_seconds: float = 0.0
+
+
+def snapshot_key(engine: Engine) -> str:
+    """sha256 over everything that changes a cache's bytes: weights, config, dtype / quantization,
+    tokenizer and chat template, cache layout, attention kernels, prefill plan and chunk size."""
+    loaded = engine.backend.loaded
+    tokenizer = engine.tokenizer
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+    parts = {
+        "weights": loaded.fingerprint,
+        "config": loaded.config,
+        "dtype": loaded.dtype,
+        "quantization": loaded.config.get("quantization"),
+        "tokenizer": hashlib.sha256(vocab.encode()).hexdigest(),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "layout": LAYOUT_VERSION,
+        "backend": engine.backend.name,
+        "attention": _attention_kernels(engine.backend.model),
+        "mlx": (mx.__version__, mlx_lm.__version__),
+        "plan": (PLAN_VERSION, engine.chunk_size),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _attention_kernels(model: Any) -> list[Any]:
+    """Which mlx-lm modules run the row-exact attention (it decides short prefill chunks)."""
+    found = []
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        sdpa = getattr(module, "scaled_dot_product_attention", None)
+        if sdpa is not None:
+            found.append((cls.__module__, bool(getattr(sdpa, "agentfold_row_exact", False))))
+    return [found, attention.PER_ROW_LIMIT]
+
+
+class SessionManager:
+    """Replies to message lists, resuming from the longest usable stored snapshot."""
+
+    def __init__(self, engine: Engine, home: str | Path | None = None, budget_bytes: int | None = DEFAULT_BUDGET,
+                 hot_bytes: int = DEFAULT_HOT_BYTES) -> None:
+        self.engine = engine
+        self.store = SnapshotStore(home, budget_bytes, hot_bytes)
+        self.key = snapshot_key(engine)
+        self._lock = threading.Lock()  # one reply at a time: the engine is not reentrant
+
+    # --- prompts and plans ---
+
+    def _encode(self, messages: Sequence[Message], generation_prompt: bool) -> list[int]:
+        text = self.engine.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=generation_prompt, tokenize=False)
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def render(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+        """Prompt ids and the plan's cuts: where each assistant message starts, and where the
+        reply to this prompt starts (a rendered prefix that is also a token prefix)."""
+        prompt = self._encode(messages, True)
+        starts = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and i > 0]
+        cuts = []
+        for i in [*starts, len(messages)]:
+            try:
+                head = self._encode(messages[:i], False)
+            except Exception:  # noqa: BLE001  (a template may refuse a prefix: no cut there)
+                continue
+            if 0 < len(head) < len(prompt) and prompt[: len(head)] == head:
+                cuts.append(len(head))
+        return prompt, sorted(set(cuts))
+
+    # --- replies ---
+
+    def reply(self, request: Sequence[Message] | Sequence[int], config: GenerationConfig | None = None,
+              session_id: str | None = None, cuts: Sequence[int] = ()) -> tuple[Completion, TurnInfo]:
+        """Answer a message list (or prompt ids with optional `cuts`) within a session.
+
+        Same bytes as a fresh manager with an empty store; only the prefill work differs.
+        """
+        config = config or GenerationConfig()
+        if request and isinstance(request[0], dict):
+            prompt, cuts = self.render(request)  # type: ignore[arg-type]
+            title = next((str(m.get("content", ""))[:60] for m in request if m.get("role") == "user"), "")
+        else:
+            prompt, cuts, title = [int(t) for t in request], sorted(set(cuts)), ""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        with self._lock:
+            session_id = self._ensure_session(session_id, title)
+            started = time.perf_counter()
+            plan = self.engine.plan(0, len(prompt) - 1, cuts)  # where a fresh prefill stops
+            cache, used, reasons = self._restore(prompt, plan, session_id)
+            restore_seconds = time.perf_counter() - started
+            cached = cache.length
+            target = plan[-1] if plan else 0  # the last cut: the start of this reply
+            saved = used if used and cached == target else None
+            if target > cached:
+                self.engine.backend.prefill(prompt[cached:target], cache, self.engine.plan(cached, target, cuts))
+                saved = self._save(cache, [b for b in plan if b < target], used, reasons)
+            before = time.perf_counter() - started
+            completion = self.engine.generate(prompt, config, cache, cuts)
+            stats = completion.stats
+            stats.cached_tokens, stats.prefilled_tokens = cached, len(prompt) - cached
+            stats.prefill_seconds += before - restore_seconds
+            stats.ttft_seconds += before
+            stats.total_seconds += before
+            index = self._record(session_id, len(prompt), len(completion.tokens), saved or used)
+        info = TurnInfo(session_id, index, len(prompt), cached, used, saved, list(cuts), reasons, restore_seconds)
+        return completion, info
+
+    def _restore(self, prompt: list[int], plan: list[int], session_id: str) -> tuple[CacheState, str | None, list[str]]:
+        """The longest verified snapshot on this plan (this session's first), or an empty cache."""
+        rows, other_key = self.store.candidates(self.key, prompt, plan)
+        mine = {t["snapshot_id"] for t in self.turns(session_id)}
+        rows.sort(key=lambda r: (r["token_count"], r["id"] in mine, r["last_used"]), reverse=True)
+        reasons: list[str] = []
+        for row in rows:
+            try:
+                cache = self.store.load(row, self.engine.backend)
+            except SnapshotError as error:
+                log.warning("%s: dropped, prefilling instead", error)
+                reasons.append(str(error))
+                self.store.remove(row["id"])
+                continue
+            if other_key > cache.length:
+                reasons.append(f"key mismatch: a {other_key}-token prefix is stored for another model setup")
+            return cache, row["id"], reasons
+        if other_key:
+            reasons.append(f"key mismatch: a {other_key}-token prefix is stored for another model setup")
+        elif not reasons:
+            reasons.append("no stored prefix on this plan")
+        return self.engine.backend.new_cache(), None, reasons
+
+    def _save(self, cache: CacheState, boundaries: list[int], parent: str | None, reasons: list[str]) -> str | None:
+        try:
+            saved = self.store.save(self.key, cache, boundaries, parent)
+        except (SnapshotError, OSError) as error:
+            log.warning("snapshot not saved: %s", error)
+            reasons.append(f"not saved: {error}")
+            return None
+        self.store.evict(keep={saved} | ({parent} if parent else set()))
+        return saved
+
+    # --- sessions ---
+
+    def _ensure_session(self, session_id: str | None, title: str) -> str:
+        if session_id is not None and self.store.rows("select id from sessions where id = ?", [session_id]):
+            return session_id
+        return self.new_session(title, session_id=session_id)
+
+    def new_session(self, title: str = "", parent: str | None = None, session_id: str | None = None) -> str:
+        session_id = session_id or uuid.uuid4().hex
+        now = time.time()
+        with self.store.write() as db:
+            db["sessions"].insert({"id": session_id, "created": now, "last_used": now, "pinned": 0,
+                                   "parent": parent, "title": title})
+        return session_id
+
+    def _record(self, session_id: str, prompt_tokens: int, reply_tokens: int, snapshot_id: str | None) -> int:
+        now = time.time()
+        with self.store.write() as db:
+            index = db.execute("select count(*) from turns where session_id = ?", [session_id]).fetchone()[0]
+            db["turns"].insert({"id": uuid.uuid4().hex, "session_id": session_id, "index": index,
+                                "prompt_tokens": prompt_tokens, "reply_tokens": reply_tokens,
+                                "snapshot_id": snapshot_id, "created": now})
+            db["sessions"].update(session_id, {"last_used": now})
+        return index
+
+    def turns(self, session_id: str) -> list[dict[str, Any]]:
+        return self.store.rows("select * from turns where session_id = ? order by [index]", [session_id])
+
+    def fork(self, session_id: str, turn: int) -> str:
+        """A new session holding turns 0..`turn` of `session_id`; both share those snapshots."""
+        kept = [t for t in self.turns(session_id) if t["index"] <= turn]
+        if not kept or kept[-1]["index"] != turn:
+            raise ValueError(f"session {session_id} has no turn {turn}")
+        title = self.store.rows("select title from sessions where id = ?", [session_id])[0]["title"]
+        forked = self.new_session(title, parent=session_id)
+        with self.store.write() as db:
+            db["turns"].insert_all([{**t, "id": uuid.uuid4().hex, "session_id": forked} for t in kept])
+        return forked
+
+    def pin(self, session_id: str, pinned: bool = True) -> None:
+        """A pinned session's snapshots are never evicted."""
+        with self.store.write() as db:
+            db["sessions"].update(session_id, {"pinned": int(pinned)})
+
+    def pin_snapshot(self, snapshot_id: str, pinned: bool = True) -> None:
+        self.store.pin(snapshot_id, pinned)
+
+    def delete(self, session_id: str) -> list[str]:
+        """Delete a session and its turns, and the snapshots no other turn uses (not pinned ones)."""
+        named = {t["snapshot_id"] for t in self.turns(session_id)} - {None}
+        with self.store.write() as db:
+            db["turns"].delete_where("session_id = ?", [session_id])
+            db["sessions"].delete_where("id = ?", [session_id])
+        removed = []
+        for snapshot_id in sorted(named):
+            row = self.store.row(snapshot_id)
+            shared = self.store.rows("select 1 from turns where snapshot_id = ? limit 1", [snapshot_id])
+            if row is not None and not shared and not row["pinned"]:
+                self.store.remove(snapshot_id)
+                removed.append(snapshot_id)
+        return removed
+
+    def list_sessions(self) -> list[dict[str, Any]]:
+        """Sessions, most recently used first, with their turn count and snapshot bytes."""
+        return self.store.rows(
+            "select s.*, count(t.id) as turns, coalesce(sum(n.bytes), 0) as bytes from sessions s "
+            "left join turns t on t.session_id = s.id left join snapshots n on n.id = t.snapshot_id "
+            "group by s.id order by s.last_used desc")
+
+    def list_snapshots(self) -> list[dict[str, Any]]:
+        return self.store.rows("select * from snapshots order by last_used desc")

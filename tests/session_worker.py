@@ -1,0 +1,31 @@
+"""Answer one turn from a sessions home in a process of its own (the restart half of test_sessions).
+
+stdin: {"home", "messages", "session_id", "max_tokens"}; stdout, last line: {"tokens", "cached_tokens",
+"snapshot_id", "saved_snapshot_id", "miss_reasons"}. Greedy, no drafting, the embedded SmolLM2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import agentfold  # noqa: F401  (picks the BLAS before mlx.core is imported)
+from agentfold.engine.decode import GenerationConfig
+from agentfold.engine.factory import build_engine
+from agentfold.models import default_model_path
+from agentfold.sessions import SessionManager
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    engine = build_engine(default_model_path(), drafter="none", self_check=False)
+    manager = SessionManager(engine, job["home"])
+    config = GenerationConfig(max_tokens=job["max_tokens"], draft=False)
+    completion, info = manager.reply(job["messages"], config, session_id=job["session_id"])
+    print(json.dumps({"tokens": completion.tokens, "cached_tokens": info.cached_tokens,
+                      "snapshot_id": info.snapshot_id, "saved_snapshot_id": info.saved_snapshot_id,
+                      "miss_reasons": info.miss_reasons}))
+
+
+if __name__ == "__main__":
+    main()
