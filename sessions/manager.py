@@ -86,6 +86,22 @@ def _attention_kernels(model: Any) -> list[Any]:
     return [found, attention.PER_ROW_LIMIT]
 
 
+@dataclass
+class PreparedTurn:
+    """A turn restored and prefilled up to its reply's start, ready to decode."""
+
+    prompt: list[int]
+    cuts: list[int]
+    cache: CacheState
+    session_id: str
+    cached: int
+    used: str | None
+    saved: str | None
+    reasons: list[str]
+    restore_seconds: float
+    prefill_seconds: float
+
+
 class SessionManager:
     """Replies to message lists, resuming from the longest usable stored snapshot."""
 
@@ -126,7 +142,19 @@ class SessionManager:
 
         Same bytes as a fresh manager with an empty store; only the prefill work differs.
         """
-        config = config or GenerationConfig()
+        with self._lock:
+            prepared = self.prepare(request, session_id, cuts)
+            completion = self.engine.generate(prepared.prompt, config or GenerationConfig(), prepared.cache,
+                                              prepared.cuts)
+            return completion, self.finish(prepared, completion)
+
+    def prepare(self, request: Sequence[Message] | Sequence[int], session_id: str | None = None,
+                cuts: Sequence[int] = ()) -> PreparedTurn:
+        """Restore the longest usable snapshot and prefill up to this reply's start (snapshotting it).
+
+        The caller decodes from `prepared.cache` with `prepared.cuts`, then calls `finish`. Split
+        this way, a scheduler can run many prepared turns between its own passes.
+        """
         if request and isinstance(request[0], dict):
             prompt, cuts = self.render(request)  # type: ignore[arg-type]
             title = next((str(m.get("content", ""))[:60] for m in request if m.get("role") == "user"), "")
@@ -134,28 +162,33 @@ class SessionManager:
             prompt, cuts, title = [int(t) for t in request], sorted(set(cuts)), ""
         if not prompt:
             raise ValueError("the prompt is empty")
-        with self._lock:
-            session_id = self._ensure_session(session_id, title)
-            started = time.perf_counter()
-            plan = self.engine.plan(0, len(prompt) - 1, cuts)  # where a fresh prefill stops
-            cache, used, reasons = self._restore(prompt, plan, session_id)
-            restore_seconds = time.perf_counter() - started
-            cached = cache.length
-            target = plan[-1] if plan else 0  # the last cut: the start of this reply
-            saved = used if used and cached == target else None
-            if target > cached:
-                self.engine.backend.prefill(prompt[cached:target], cache, self.engine.plan(cached, target, cuts))
-                saved = self._save(cache, [b for b in plan if b < target], used, reasons)
-            before = time.perf_counter() - started
-            completion = self.engine.generate(prompt, config, cache, cuts)
-            stats = completion.stats
-            stats.cached_tokens, stats.prefilled_tokens = cached, len(prompt) - cached
-            stats.prefill_seconds += before - restore_seconds
-            stats.ttft_seconds += before
-            stats.total_seconds += before
-            index = self._record(session_id, len(prompt), len(completion.tokens), saved or used)
-        info = TurnInfo(session_id, index, len(prompt), cached, used, saved, list(cuts), reasons, restore_seconds)
-        return completion, info
+        session_id = self._ensure_session(session_id, title)
+        started = time.perf_counter()
+        plan = self.engine.plan(0, len(prompt) - 1, cuts)  # where a fresh prefill stops
+        cache, used, reasons = self._restore(prompt, plan, session_id)
+        restore_seconds = time.perf_counter() - started
+        cached = cache.length
+        target = plan[-1] if plan else 0  # the last cut: the start of this reply
+        saved = used if used and cached == target else None
+        if target > cached:
+            self.engine.backend.prefill(prompt[cached:target], cache, self.engine.plan(cached, target, cuts))
+            saved = self._save(cache, [b for b in plan if b < target], used, reasons)
+        prefill_seconds = time.perf_counter() - started - restore_seconds
+        return PreparedTurn(prompt, list(cuts), cache, session_id, cached, used, saved, reasons,
+                            restore_seconds, prefill_seconds)
+
+    def finish(self, prepared: PreparedTurn, completion: Completion) -> TurnInfo:
+        """Record the turn and fold the restore / pre-decode prefill time into its stats."""
+        stats = completion.stats
+        before = prepared.restore_seconds + prepared.prefill_seconds
+        stats.cached_tokens, stats.prefilled_tokens = prepared.cached, len(prepared.prompt) - prepared.cached
+        stats.prefill_seconds += prepared.prefill_seconds
+        stats.ttft_seconds += before
+        stats.total_seconds += before
+        index = self._record(prepared.session_id, len(prepared.prompt), len(completion.tokens),
+                             prepared.saved or prepared.used)
+        return TurnInfo(prepared.session_id, index, len(prepared.prompt), prepared.cached, prepared.used,
+                        prepared.saved, prepared.cuts, prepared.reasons, prepared.restore_seconds)
 
     def _restore(self, prompt: list[int], plan: list[int], session_id: str) -> tuple[CacheState, str | None, list[str]]:
         """The longest verified snapshot on this plan (this session's first), or an empty cache."""
