@@ -59,8 +59,10 @@ def _build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--out", required=True, help="JSON file to write")
 
     from . import integrate
+    from .server import cli as server_cli
 
     integrate.add_parser(sub)
+    server_cli.add_parser(sub)
     return parser
 
 
@@ -145,8 +147,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     from . import integrate
+    from .server import cli as server_cli
 
-    handlers = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench, "integrate": integrate.run}
+    handlers = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench,
+                "integrate": integrate.run, "serve": server_cli.run}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

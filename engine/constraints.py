@@ -100,4 +100,9 @@ def tool_call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None, 
 
 def json_object_grammar() -> str:
     """Any JSON object (`response_format: json_object`)."""
-    return f"start: body\nbody: %json {json.dumps({'type': 'object', 'x-guidance': _COMPACT})}\n"
+    return json_schema_grammar({"type": "object"})
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """One JSON value matching `schema` (`response_format: json_schema`)."""
+    return f"start: body\nbody: %json {json.dumps({**schema, 'x-guidance': _COMPACT})}\n"
