@@ -10,9 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from agentfold.kernels.attention import row_exact_sdpa
 
 import agentfold  # noqa: F401
+from agentfold.kernels.attention import row_exact_sdpa
 
 WIDTHS = range(1, 33)
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 576, 9, 3, 64  # SmolLM2-135M's shapes

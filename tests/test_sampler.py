@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+
 from agentfold.engine import sampler
 from agentfold.engine.sampler import SamplingParams, candidates, choose, gumbel, uniform
 

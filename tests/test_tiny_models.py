@@ -21,6 +21,8 @@ import agentfold  # noqa: F401  (before mlx.core: picks the BLAS)
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import ArraysCache
+
 from agentfold.engine.backend import CacheState, MLXBackend
 from agentfold.engine.decode import Completion, Engine, GenerationConfig
 from agentfold.engine.depth import DepthController
@@ -30,7 +32,6 @@ from agentfold.engine.loader import LoadedModel
 from agentfold.engine.sampler import SamplingParams
 from agentfold.engine.selfcheck import ExactnessReport, check_row_exactness
 from agentfold.kernels import attention
-from mlx_lm.models.cache import ArraysCache
 
 try:
     from tests.tiny_models import build_model, loaded_model, make_tokenizer, perturbed_copy, tiny_config

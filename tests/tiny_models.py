@@ -15,8 +15,9 @@ import agentfold  # noqa: F401  (picks the BLAS before mlx.core is imported)
 # isort: split
 import mlx.core as mx
 import mlx.nn as nn
-from agentfold.engine.loader import LoadedModel
 from mlx.utils import tree_flatten, tree_map
+
+from agentfold.engine.loader import LoadedModel
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
