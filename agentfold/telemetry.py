@@ -95,6 +95,8 @@ class TurnRecord:
     # one verify pass share a time). Kept so summaries and histograms use real gaps, not
     # percentiles of percentiles.
     emit_ms: list[float] = field(default_factory=list)
+    # what replaying the turn needs (prompt ids, sampling, limits, reply ids): audits read it
+    inputs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_completion(
@@ -211,12 +213,12 @@ def _percentiles(values: Any, qs: tuple[float, ...]) -> list[float]:
 # --- SQLite ----------------------------------------------------------------------------------
 
 _HINTS = typing.get_type_hints(TurnRecord)
-JSON_FIELDS = tuple(name for name, hint in _HINTS.items() if typing.get_origin(hint) is list)
+JSON_FIELDS = tuple(name for name, hint in _HINTS.items() if typing.get_origin(hint) in (list, dict))
 
 
 def _column_type(hint: Any) -> type:
     """SQLite column type of a field: lists are JSON text, `X | None` is a nullable X."""
-    if typing.get_origin(hint) is list:
+    if typing.get_origin(hint) in (list, dict):
         return str
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))

@@ -210,6 +210,8 @@ class Engine:
         params = config.params
         drafting = config.draft and self.drafter is not None and self.max_drafts > 0
         stats.draft_method = self.drafter.name if drafting else "none"
+        fork = getattr(self.drafter, "fork", None)
+        drafter = fork() if drafting and fork is not None else self.drafter  # per-reply state
         history = list(prompt)
         emitted: list[int] = []
         constraint = GrammarConstraint(self.tokenizer, config.grammar) if config.grammar else None
@@ -224,7 +226,7 @@ class Engine:
                 depth = self.controller.depth(room)
                 if depth:
                     began = time.perf_counter()
-                    drafts = self.drafter.propose(history, depth, params)[:depth]
+                    drafts = drafter.propose(history, depth, params)[:depth]
                     draft_seconds = time.perf_counter() - began
             rows = [history[-1], *drafts]
             base = cache.length  # absolute position of row 0's token

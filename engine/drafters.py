@@ -24,6 +24,10 @@ class Drafter(Protocol):
 
     def reset(self) -> None: ...
 
+    def fork(self) -> Drafter:
+        """A drafter for one more reply: same settings, its own state (replies interleave)."""
+        ...
+
 
 class SuffixLookupDrafter:
     """Prompt / suffix lookup: continue the longest earlier match of the current suffix.
@@ -40,6 +44,9 @@ class SuffixLookupDrafter:
         self.min_match = min_match
         self.max_match = max_match
         self.reset()
+
+    def fork(self) -> SuffixLookupDrafter:
+        return SuffixLookupDrafter(self.min_match, self.max_match)
 
     def reset(self) -> None:
         self._tokens: list[int] = []
@@ -100,6 +107,9 @@ class DraftModelDrafter:
 
     def reset(self) -> None:
         self.cache = self.backend.new_cache()
+
+    def fork(self) -> DraftModelDrafter:
+        return DraftModelDrafter(self.backend)  # shares the weights, not the cache
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams) -> list[int]:
         if k <= 0:

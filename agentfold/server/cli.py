@@ -45,6 +45,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="reply budget when a request names none (default: the rest of the context)")
     parser.add_argument("--api-key", default=os.environ.get("AGENTFOLD_API_KEY"),
                         help="require this key (x-api-key or Bearer); default $AGENTFOLD_API_KEY, else none")
+    parser.add_argument("--home", default=None,
+                        help="sessions, snapshots and telemetry (default $AGENTFOLD_HOME or ~/.local/share/agentfold)")
+    parser.add_argument("--no-sessions", action="store_true", help="do not keep KV snapshots (prefill every turn)")
+    parser.add_argument("--audit-rate", type=float, default=0.0,
+                        help="share of drafted turns replayed serially after the reply to check exactness (0..1)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -74,13 +79,14 @@ def run(args: argparse.Namespace) -> int:
     from agentfold.engine.factory import build_engine
     from agentfold.models import resolve
     from agentfold.runtime import Runtime
-
-    from .app import create_app
+    from agentfold.service import Service, build_app
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, not {args.port}")
     if args.max_active < 1:
         raise ValueError(f"--max-active must be >= 1, not {args.max_active}")
+    if not 0.0 <= args.audit_rate <= 1.0:
+        raise ValueError(f"--audit-rate must be in [0, 1], not {args.audit_rate}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, not {args.default_max_tokens}")
     _check_port(args.host, args.port)
@@ -93,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
                           progress=_progress)
     name = engine.backend.loaded.name
     runtime = Runtime(engine, name, aliases=[*args.alias, *default_aliases(name)], max_active=args.max_active)
-    app = create_app(runtime, api_key=args.api_key, default_max_tokens=args.default_max_tokens)
+    service = Service(runtime, home=args.home, sessions=not args.no_sessions, audit_rate=args.audit_rate)
+    app = build_app(service, api_key=args.api_key, default_max_tokens=args.default_max_tokens)
+    _progress(f"sessions and telemetry in {service.home}")
     _progress(f"serving {name} (context {runtime.context_length}, {engine.exactness.describe()}) "
               f"on http://{args.host}:{args.port}  names: {', '.join(runtime.model_names)}")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -102,5 +110,5 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                     timeout_graceful_shutdown=5)
     finally:
-        runtime.close()
+        service.close()
     return 0

@@ -1,0 +1,178 @@
+"""One serving process: runtime + sessions + telemetry + metrics + audits, wired by the runtime's hooks.
+
+- `before_turn` (worker thread): restore the longest usable snapshot of the prompt and prefill
+  up to the start of the reply (SessionManager.prepare), so the engine only decodes.
+- `after_turn` (worker thread): record the turn in its session, build its TurnRecord (with the
+  inputs an audit needs to replay it), write it to SQLite (writer thread) and to /metrics.
+- `after_response` (event loop): the API-level finish reason and tool-call count, re-recorded.
+- Audits: `audit_turn` replays a stored turn serially (no drafts, no snapshot) and compares token
+  ids; `audit_rate` queues such replays for a share of turns after their reply went out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from agentfold.engine.decode import Completion, GenerationConfig, token_sha
+from agentfold.engine.sampler import SamplingParams
+from agentfold.metrics import Metrics
+from agentfold.runtime import Runtime, Turn, TurnRequest
+from agentfold.sessions import SessionManager
+from agentfold.sessions.store import default_home
+from agentfold.telemetry import TelemetryStore, TurnRecord
+
+log = logging.getLogger(__name__)
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length); None when equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def config_inputs(prompt: list[int], config: GenerationConfig) -> dict[str, Any]:
+    """What replaying a turn needs, JSON-ready."""
+    return {"prompt": list(prompt), "params": asdict(config.params), "max_tokens": config.max_tokens,
+            "stop": list(config.stop), "grammar": config.grammar, "draft": config.draft}
+
+
+def config_from_inputs(inputs: dict[str, Any], draft: bool) -> GenerationConfig:
+    return GenerationConfig(params=SamplingParams(**inputs["params"]), max_tokens=inputs["max_tokens"],
+                            stop=tuple(inputs["stop"]), draft=draft, grammar=inputs.get("grammar"))
+
+
+class Service:
+    """Everything `agentfold serve` (and the MCP server) runs around one engine."""
+
+    def __init__(self, runtime: Runtime, home: str | Path | None = None, sessions: bool = True,
+                 audit_rate: float = 0.0) -> None:
+        if not 0.0 <= audit_rate <= 1.0:
+            raise ValueError(f"audit rate must be in [0, 1], not {audit_rate}")
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.home = Path(home) if home else default_home()
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.sessions = SessionManager(self.engine, self.home) if sessions else None
+        self.telemetry = TelemetryStore(self.home / "telemetry.sqlite")
+        self.metrics = Metrics()
+        self.audit_rate = audit_rate
+        self._random = random.Random(0)
+        runtime.before_turn = self._before_turn
+        runtime.after_turn = self._after_turn
+        runtime.after_response = self._after_response
+
+    # -- hooks (worker thread, except after_response) ---------------------------------------------
+    def _before_turn(self, turn: Turn) -> None:
+        request = turn.request
+        if self.sessions is None or request.meta.get("no_session") or request.cache is not None:
+            return
+        prepared = self.sessions.prepare(request.prompt, request.session_id, request.cuts)
+        request.cache, request.cuts, request.session_id = prepared.cache, tuple(prepared.cuts), prepared.session_id
+        turn.extra["prepared"] = prepared
+
+    def _after_turn(self, turn: Turn) -> None:
+        completion = turn.completion
+        assert completion is not None
+        prepared = turn.extra.pop("prepared", None)
+        info = self.sessions.finish(prepared, completion) if prepared is not None else None
+        request = turn.request
+        record = TurnRecord.from_completion(
+            completion, session_id=request.session_id, api=request.api, client=request.client,
+            model=self.runtime.model_id, queue_seconds=turn.queue_seconds, turn_id=turn.id,
+            started_at=turn.submitted_wall,
+            cache_restore_seconds=info.restore_seconds if info else 0.0,
+            snapshot_id=info.snapshot_id if info else None,
+            cache_miss_reason="; ".join(info.miss_reasons) if info and info.miss_reasons else None,
+        )
+        record.audit, record.mismatch_position = turn.audit, turn.mismatch_position
+        record.inputs = {**config_inputs(request.prompt, request.config), "reply": list(completion.tokens)}
+        turn.extra["record"] = record
+        if request.meta.get("internal"):
+            return
+        self.telemetry.record(record)
+        self.metrics.observe(record)
+        if turn.audit != "skipped":
+            self.metrics.observe_audit(turn.audit)
+
+    def _after_response(self, turn: Turn) -> None:
+        record = turn.extra.get("record")
+        if not isinstance(record, TurnRecord):
+            return
+        record.finish_reason = turn.extra.get("finish_reason", record.finish_reason)
+        record.tool_calls = int(turn.extra.get("tool_calls", 0))
+        self.telemetry.record(record)
+        if self.audit_rate and self._random.random() < self.audit_rate and record.draft_method != "none":
+            asyncio.get_running_loop().create_task(self.audit_turn(record.turn_id))
+
+    # -- turns from code (MCP tools, audits) ------------------------------------------------------
+    async def run_turn(self, request: TurnRequest, on_tokens: Any = None) -> tuple[Completion, Turn]:
+        """Submit a turn and wait for it; `on_tokens(count)` after every verify pass."""
+        turn = self.runtime.submit(request)
+        count = 0
+        async for event in turn.events():
+            if isinstance(event, Completion):
+                return event, turn
+            count += len(event.tokens)
+            if on_tokens is not None:
+                await on_tokens(count)
+        raise RuntimeError(f"turn {turn.id} ended without a completion")
+
+    async def audit_turn(self, turn_id: str) -> dict[str, Any]:
+        """Replay a stored turn serially from an empty cache and compare token ids; store the verdict."""
+        row = self.telemetry.get_turn(turn_id)
+        if row is None:
+            raise KeyError(f"no turn {turn_id!r}")
+        inputs = row.get("inputs") or {}
+        if not inputs.get("prompt"):
+            raise ValueError(f"turn {turn_id!r} has no stored inputs to replay")
+        reference, _ = await self.run_turn(TurnRequest(
+            prompt=inputs["prompt"], config=config_from_inputs(inputs, draft=False), api="audit",
+            meta={"no_session": True, "internal": True}))
+        replied = list(inputs.get("reply") or [])
+        mismatch = first_mismatch(replied, reference.tokens)
+        verdict = "passed" if mismatch is None else "failed"
+        self.telemetry.set_audit(turn_id, verdict, mismatch, token_sha(reference.tokens))
+        self.metrics.observe_audit(verdict)
+        return {"turn_id": turn_id, "verdict": verdict, "mismatch_position": mismatch,
+                "token_sha": token_sha(replied), "audit_token_sha": token_sha(reference.tokens)}
+
+    async def check_exactness(self, prompt: list[int], config: GenerationConfig) -> dict[str, Any]:
+        """Drafted against serial for the same prompt: equal or not, where, both hashes and timings."""
+        results = {}
+        for name, draft in (("drafted", True), ("serial", False)):
+            completion, turn = await self.run_turn(TurnRequest(
+                prompt=prompt, config=replace(config, draft=draft), api="mcp",
+                meta={"no_session": True, "internal": True}))
+            stats = completion.stats
+            results[name] = {"tokens": len(completion.tokens), "token_sha": completion.token_sha,
+                             "decode_tps": round(stats.decode_tps, 3), "total_ms": round(stats.total_seconds * 1e3, 3),
+                             "ttft_ms": round(stats.ttft_seconds * 1e3, 3), "verify_passes": stats.verify_passes,
+                             "drafted": stats.drafted, "accepted": stats.accepted, "_ids": completion.tokens}
+        mismatch = first_mismatch(results["drafted"].pop("_ids"), results["serial"].pop("_ids"))
+        return {"equal": mismatch is None, "mismatch_position": mismatch, **results}
+
+    def close(self) -> None:
+        self.runtime.close()
+        self.telemetry.close()
+
+
+def build_app(service: Service, api_key: str | None = None, default_max_tokens: int | None = None) -> Any:
+    """The HTTP app of a service: the APIs, `/metrics` (Prometheus) and MCP at `/mcp`."""
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from agentfold.mcp_server import mount_mcp
+    from agentfold.server.app import create_app
+
+    async def metrics(request: Any) -> Response:
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    mcp_routes, lifespan = mount_mcp(service)
+    return create_app(service.runtime, api_key=api_key, default_max_tokens=default_max_tokens,
+                      extra_routes=[Route("/metrics", metrics, methods=["GET"]), *mcp_routes], lifespan=lifespan)
