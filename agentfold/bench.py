@@ -448,6 +448,19 @@ def bench_decode(model: str | None, out: str | Path, draft_model: str | None = N
             "drafted_roofline_fraction": fraction(d_tps),
             "mlx_lm_roofline_fraction": fraction(m_tps),
         }
+        if name == "code-edit":
+            # the cost of exactness: the same drafted run on MLX's batched (not row-exact) attention
+            with stock_attention(patched_models):
+                inexact = engine.generate(prompt, GenerationConfig(max_tokens=max_tokens, draft=True))
+            i_tps = _completion_row(inexact)["steady_tps"]
+            row["exactness_cost"] = {
+                "exact_path": "row-exact attention (one-row kernel per verify row) + " + agentfold.BLAS.name,
+                "inexact_path": "MLX batched attention (not row-exact) + " + agentfold.BLAS.name,
+                "exact_drafted_tps": _round(d_tps),
+                "inexact_drafted_tps": _round(i_tps),
+                "exact_vs_inexact": _ratio(d_tps, i_tps),
+                "inexact_identical_to_serial": inexact.tokens == serial.tokens,
+            }
         if "source" in load:
             row["source"] = load["source"]
         row["serial"] = serial_row

@@ -58,11 +58,13 @@ def _build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--quick", action="store_true")
     decode.add_argument("--out", required=True, help="JSON file to write")
 
-    from . import integrate
+    from . import integrate, ops_cli, sessions_cli
     from .server import cli as server_cli
 
     integrate.add_parser(sub)
     server_cli.add_parser(sub)
+    ops_cli.add_parsers(sub)
+    sessions_cli.add_parser(sub)
     return parser
 
 
@@ -146,11 +148,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    from . import integrate
+    from . import integrate, ops_cli, sessions_cli
     from .server import cli as server_cli
 
     handlers = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench,
-                "integrate": integrate.run, "serve": server_cli.run}
+                "integrate": integrate.run, "serve": server_cli.run, "sessions": sessions_cli.run,
+                **dict.fromkeys(ops_cli.COMMANDS, ops_cli.run)}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

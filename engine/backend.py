@@ -84,6 +84,8 @@ class MLXBackend:
 
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`; logits are never computed."""
+        if not tokens:
+            return
         start = cache.length
         end = start + len(tokens)
         cuts = sorted({b for b in boundaries if start < b < end} | {end})

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     name = engine.backend.loaded.name
     runtime = Runtime(engine, name, aliases=[*args.alias, *default_aliases(name)], max_active=args.max_active)
     service = Service(runtime, home=args.home, sessions=not args.no_sessions, audit_rate=args.audit_rate)
-    app = build_app(service, api_key=args.api_key, default_max_tokens=args.default_max_tokens)
+    app = build_app(service, api_key=args.api_key, default_max_tokens=args.default_max_tokens, host=args.host)
     _progress(f"sessions and telemetry in {service.home}")
     _progress(f"serving {name} (context {runtime.context_length}, {engine.exactness.describe()}) "
               f"on http://{args.host}:{args.port}  names: {', '.join(runtime.model_names)}")

@@ -1,0 +1,101 @@
+"""The full serving stack over real HTTP: sessions resume (and equal fresh), telemetry rows, /metrics, audits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agentfold.runtime import Runtime
+from agentfold.service import Service, build_app
+
+from .api_helpers import MODEL_ID, ServerThread
+
+SOURCE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(40))
+TURN1 = [{"role": "user", "content": f"Here is a module:\n```python\n{SOURCE}```\nWhat does f3 return?"}]
+
+
+def serve(engine, home):
+    service = Service(Runtime(engine, MODEL_ID, aliases=("smollm2",)), home=home)
+    return service, ServerThread(build_app(service)).start()
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_engine, tmp_path_factory):
+    service, server = serve(smollm2_engine, tmp_path_factory.mktemp("home"))
+    yield service, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300), server
+    server.stop()
+    service.close()
+
+
+def chat(client, messages, session: str | None = None, **extra):
+    headers = {"X-Session-Id": session} if session else None
+    return client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12,
+                                          extra_headers=headers, extra_body=extra or None)
+
+
+def test_second_turn_resumes_and_equals_fresh(stack, smollm2_engine, tmp_path):
+    service, client, _ = stack
+    first = chat(client, TURN1, session="s-1")
+    turn2 = [*TURN1, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And f4?"}]
+    second = chat(client, turn2, session="s-1")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached < second.usage.prompt_tokens
+    assert second.model_extra["timings"]["cache_n"] == cached
+
+    fresh_service, fresh_server = serve(smollm2_engine, tmp_path / "fresh")
+    try:
+        fresh = openai.OpenAI(base_url=fresh_server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        reference = chat(fresh, turn2)
+        assert reference.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        fresh_server.stop()
+        fresh_service.close()
+    assert second.choices[0].message.content == reference.choices[0].message.content
+    assert second.model_extra["agentfold"]["token_sha"] == reference.model_extra["agentfold"]["token_sha"]
+
+
+def test_telemetry_rows_match_responses(stack):
+    service, client, _ = stack
+    reply = chat(client, [{"role": "user", "content": "Name a color."}], session="s-2")
+    block = reply.model_extra["agentfold"]
+    service.telemetry.flush()
+    row = service.telemetry.get_turn(block["turn_id"])
+    assert row["session_id"] == "s-2" and row["api"] == "chat"
+    assert row["completion_tokens"] == reply.usage.completion_tokens
+    assert row["prompt_tokens"] == reply.usage.prompt_tokens
+    assert row["token_sha"] == block["token_sha"]
+    assert row["finish_reason"] == reply.choices[0].finish_reason
+    assert row["inputs"]["reply"] and row["inputs"]["prompt"]
+    assert [t["turn_id"] for t in service.telemetry.list_turns(session_id="s-2")] == [block["turn_id"]]
+
+
+def test_audits_pass_inline_and_later(stack):
+    service, client, _ = stack
+    reply = chat(client, [{"role": "user", "content": "Repeat: one two three, one two three."}], audit=True,
+                 temperature=0.7, seed=3)
+    block = reply.model_extra["agentfold"]
+    assert block["audit"] in ("passed", "skipped")  # skipped when nothing was drafted
+    service.telemetry.flush()
+    verdict = asyncio.run(service.audit_turn(block["turn_id"]))
+    assert verdict["verdict"] == "passed" and verdict["mismatch_position"] is None
+    service.telemetry.flush()
+    assert service.telemetry.get_turn(block["turn_id"])["audit"] == "passed"
+
+
+def test_metrics_count_the_turns_served(stack):
+    service, client, server = stack
+    service.telemetry.flush()
+    rows = service.telemetry.list_turns(limit=1000)
+    text = httpx.get(server.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    generated = sum(s.value for s in families["agentfold:generation_tokens"].samples if s.name.endswith("_total"))
+    prompt = sum(s.value for s in families["agentfold:prompt_tokens"].samples if s.name.endswith("_total"))
+    assert generated == sum(r["completion_tokens"] for r in rows)
+    assert prompt == sum(r["prompt_tokens"] for r in rows)
+    hits = sum(s.value for s in families["agentfold:prefix_cache_hits"].samples if s.name.endswith("_total"))
+    assert hits == sum(r["cached_tokens"] for r in rows) and hits > 0
