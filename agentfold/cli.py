@@ -57,6 +57,11 @@ def _build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--max-tokens", type=int, default=128)
     decode.add_argument("--quick", action="store_true")
     decode.add_argument("--out", required=True, help="JSON file to write")
+    sessions = bench_sub.add_parser("sessions", help="resumed-after-restart vs cold time to first token, snapshot I/O")
+    _add_model_args(sessions)
+    sessions.add_argument("--contexts", default="2048,8192", help="context sizes in tokens, comma-separated")
+    sessions.add_argument("--quick", action="store_true")
+    sessions.add_argument("--out", required=True, help="JSON file to write")
 
     from . import integrate, ops_cli, sessions_cli
     from .server import cli as server_cli
@@ -138,6 +143,17 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench_decode
 
+    if args.bench == "sessions":
+        from .bench_sessions import BenchError, bench_sessions
+
+        contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+        try:
+            result = bench_sessions(args.model, args.out, contexts=contexts, quick=args.quick,
+                                    progress=_progress, dtype=args.dtype)
+        except BenchError as error:
+            raise ValueError(str(error)) from error
+        _progress(f"wrote {args.out}: {json.dumps(result.get('summary', {}))}")
+        return 0
     result = bench_decode(args.model, args.out, draft_model=args.draft_model, max_tokens=args.max_tokens,
                           dtype=args.dtype, quick=args.quick, progress=_progress)
     _progress(f"wrote {args.out}")

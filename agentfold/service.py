@@ -164,16 +164,18 @@ class Service:
 
 def build_app(service: Service, api_key: str | None = None, default_max_tokens: int | None = None,
               host: str = "127.0.0.1") -> Any:
-    """The HTTP app of a service: the APIs, `/metrics` (Prometheus) and MCP at `/mcp`."""
+    """The HTTP app of a service: the APIs, `/metrics` (Prometheus), `/dashboard` and MCP at `/mcp`."""
     from starlette.responses import Response
     from starlette.routing import Route
 
     from agentfold.mcp_server import mount_mcp
     from agentfold.server.app import create_app
+    from agentfold.server.dashboard import dashboard_routes
 
     async def metrics(request: Any) -> Response:
         return Response(service.metrics.render(), media_type=service.metrics.content_type)
 
     mcp_routes, lifespan = mount_mcp(service, api_key=api_key, host=host)
     return create_app(service.runtime, api_key=api_key, default_max_tokens=default_max_tokens,
-                      extra_routes=[Route("/metrics", metrics, methods=["GET"]), *mcp_routes], lifespan=lifespan)
+                      extra_routes=[Route("/metrics", metrics, methods=["GET"]), *dashboard_routes(service.telemetry),
+                                    *mcp_routes], lifespan=lifespan)

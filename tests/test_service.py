@@ -99,3 +99,14 @@ def test_metrics_count_the_turns_served(stack):
     assert prompt == sum(r["prompt_tokens"] for r in rows)
     hits = sum(s.value for s in families["agentfold:prefix_cache_hits"].samples if s.name.endswith("_total"))
     assert hits == sum(r["cached_tokens"] for r in rows) and hits > 0
+
+
+def test_dashboard_is_self_contained_and_serves_the_rows(stack):
+    service, _, server = stack
+    page = httpx.get(server.url + "/dashboard")
+    assert page.status_code == 200 and "<svg" in page.text
+    assert "http://" not in page.text and "https://" not in page.text  # no external assets
+    data = httpx.get(server.url + "/dashboard/turns.json").json()
+    service.telemetry.flush()
+    assert len(data["turns"]) == len(service.telemetry.list_turns(limit=200))
+    assert data["summary"]["turns"] == len(data["turns"])
