@@ -29,6 +29,7 @@ QUICK_MAX_TOKENS = 32
 MLX_LM_NUM_DRAFT_TOKENS = 3  # mlx_lm.generate's command-line default
 
 # (file, function to rename, new name): the first one present in this Python's stdlib is used.
+CODE_EDIT_WINDOW = 70  # lines the full code-edit workload re-emits
 CODE_EDIT_SOURCES = (
     ("colorsys.py", "_v", "_hue_to_channel"),
     ("sched.py", "enterabs", "enter_absolute"),
@@ -107,6 +108,13 @@ def code_edit_source(excerpt: bool = False) -> dict[str, Any]:
         span = [1, len(lines)]
         if excerpt:
             source, span = _excerpt(source, old)
+        elif len(lines) > CODE_EDIT_WINDOW:
+            # SmolLM2-135M stops copying past ~1,000 tokens (it answers a few ``` fences), so the
+            # full workload is a 70-line window around the renamed function and its callers
+            _, (first, last) = _excerpt(source, old)
+            start = max(0, min(len(lines) - CODE_EDIT_WINDOW, (first + last) // 2 - CODE_EDIT_WINDOW // 2))
+            source = "\n".join(lines[start : start + CODE_EDIT_WINDOW]) + "\n"
+            span = [start + 1, start + CODE_EDIT_WINDOW]
         return {
             "file": path,
             "lines": source.count("\n"),
