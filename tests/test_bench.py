@@ -11,7 +11,7 @@ import json
 import pytest
 
 import agentfold  # noqa: F401  (before mlx)
-from agentfold.bench import bench_decode, code_edit_source, workloads
+from agentfold.bench import CODE_EDIT_WINDOW, bench_decode, code_edit_source, workloads
 
 TOP_KEYS = {
     "schema", "timestamp", "duration_seconds", "quick", "max_tokens", "sampling", "machine", "versions", "blas",
@@ -51,7 +51,9 @@ def test_workloads_are_deterministic_and_real():
     assert full == workloads() and quick == workloads(quick=True)
     source = code_edit_source()
     old, new = source["rename"]
-    assert 100 <= source["lines"] <= 180 and f"def {old}(" in source["source"]
+    # a 70-line window of a real stdlib file (SmolLM2-135M stops copying longer files)
+    assert source["lines"] == CODE_EDIT_WINDOW and f"def {old}(" in source["source"]
+    assert source["line_span"][1] - source["line_span"][0] + 1 == CODE_EDIT_WINDOW
     excerpt = code_edit_source(excerpt=True)
     assert excerpt["sha256"] != source["sha256"] and excerpt["source"] in source["source"]
     assert f"def {old}(" in excerpt["source"] and excerpt["source"].count(f"{old}(") >= 2
