@@ -343,6 +343,19 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def run_header(schema: str, timestamp: str, quick: bool, machine: dict[str, Any]) -> dict[str, Any]:
+    """What every bench JSON starts with: schema, time, machine, versions and BLAS."""
+    return {"schema": schema, "timestamp": timestamp, "duration_seconds": None, "quick": quick,
+            "machine": machine, "versions": versions(), "blas": agentfold.BLAS.describe()}
+
+
+def model_record(loaded: Any, dtype: str, size: int, params: int) -> dict[str, Any]:
+    """The model a bench ran: path, name, dtype, architecture, size and load time."""
+    return {"path": str(loaded.path), "name": loaded.name, "dtype": dtype,
+            "model_type": loaded.config.get("model_type"), "parameters": params, "bytes": size,
+            "load_seconds": round(loaded.load_seconds, 3)}
+
+
 def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -509,23 +522,11 @@ def bench_decode(model: str | None, out: str | Path, draft_model: str | None = N
 
     exactness = engine.exactness
     result: dict[str, Any] = {
-        "schema": SCHEMA,
-        "timestamp": timestamp,
-        "duration_seconds": None,  # set below
-        "quick": quick,
+        **run_header(SCHEMA, timestamp, quick, machine),
         "max_tokens": max_tokens,
         "sampling": "greedy",
-        "machine": machine,
-        "versions": versions(),
-        "blas": agentfold.BLAS.describe(),
         "model": {
-            "path": str(loaded.path),
-            "name": loaded.name,
-            "dtype": dtype,
-            "model_type": loaded.config.get("model_type"),
-            "parameters": params,
-            "bytes": size,
-            "load_seconds": round(loaded.load_seconds, 3),
+            **model_record(loaded, dtype, size, params),
             "drafter": engine.drafter.name if engine.drafter else "none",
             "max_drafts": engine.max_drafts,
         },

@@ -371,7 +371,7 @@ def bench_sessions(model: str | None, out: str | Path, contexts: Sequence[int] =
     context less CONTEXT_HEADROOM (SmolLM2's 8192 becomes 7680) so the prompt and reply fit.
     `quick`: only the smallest context, short replies, no self-check in the workers.
     """
-    from .bench import machine_info, model_bytes, versions
+    from .bench import machine_info, model_bytes, model_record, run_header
     from .engine.factory import build_engine
     from .engine.loader import load_model
     from .models import resolve
@@ -406,23 +406,8 @@ def bench_sessions(model: str | None, out: str | Path, contexts: Sequence[int] =
     all_saves = [s for p in points.values() for s in p["snapshot"]["saves"]]
     all_restores = [r for p in points.values() for r in p["snapshot"]["restores"]]
     result: dict[str, Any] = {
-        "schema": SCHEMA,
-        "timestamp": timestamp,
-        "duration_seconds": None,  # set below
-        "quick": quick,
-        "machine": machine,
-        "versions": versions(),
-        "blas": agentfold.BLAS.describe(),
-        "model": {
-            "path": str(loaded.path),
-            "name": loaded.name,
-            "dtype": dtype,
-            "model_type": loaded.config.get("model_type"),
-            "parameters": params,
-            "bytes": size,
-            "context_length": limit,
-            "load_seconds": round(loaded.load_seconds, 3),
-        },
+        **run_header(SCHEMA, timestamp, quick, machine),
+        "model": {**model_record(loaded, dtype, size, params), "context_length": limit},
         "method": {
             "conversation": ("system + 3 user turns of Python stdlib source; turns 0-1 answered here (snapshots "
                              "at each reply's start), turn 2 timed"),
