@@ -233,20 +233,7 @@ class Engine:
             checkpoint = self.backend.checkpoint(cache) if drafts else None
             began = time.perf_counter()
             logits = self.backend.forward(rows, cache)
-            committed: list[int] = []
-            for j in range(len(rows)):
-                row = constraint.mask(logits[j]) if constraint is not None else logits[j]
-                token = choose(row, base + j + 1, params)
-                if j < len(drafts) and self.unverified_commit:
-                    token = drafts[j]
-                if constraint is not None:
-                    constraint.advance(token)  # row j + 1 is read only if this token was the draft
-                committed.append(token)
-                if j < len(drafts):
-                    stats.record_position(j, drafts[j] == token)
-                    if drafts[j] == token:
-                        continue
-                break
+            committed = self._verify(logits, drafts, base, params, constraint, stats)
             accepted = len(committed) - 1
             if checkpoint is not None:
                 self.backend.rollback(cache, checkpoint, accepted + 1)
@@ -291,6 +278,29 @@ class Engine:
         stats.total_seconds = time.perf_counter() - started
         stats.decode_seconds = stats.total_seconds - stats.ttft_seconds
         return Completion(emitted, detok.text, finish, stats)
+
+    def _verify(self, logits, drafts: list[int], base: int, params: SamplingParams,
+                constraint: GrammarConstraint | None, stats: DecodeStats) -> list[int]:
+        """The target's own choice for each row, up to and including the first that is not its draft.
+
+        Row j chooses the token at absolute position base + j + 1; row j + 1 is only read when
+        draft j was the target's choice, so every committed token is the one serial decoding makes.
+        """
+        committed: list[int] = []
+        for j in range(len(drafts) + 1):
+            row = constraint.mask(logits[j]) if constraint is not None else logits[j]
+            token = choose(row, base + j + 1, params)
+            if j < len(drafts) and self.unverified_commit:
+                token = drafts[j]  # test-only: the broken path audits must catch
+            if constraint is not None:
+                constraint.advance(token)
+            committed.append(token)
+            if j == len(drafts):
+                break
+            stats.record_position(j, drafts[j] == token)
+            if drafts[j] != token:
+                break
+        return committed
 
 
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:
