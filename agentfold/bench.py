@@ -567,14 +567,18 @@ def bench_decode(model: str | None, out: str | Path, draft_model: str | None = N
             "code_edit_speedup": rows.get("code-edit", {}).get("speedup"),
         },
     }
-    result["machine"]["loadavg_end"] = _loadavg()
-    result["duration_seconds"] = round(time.perf_counter() - started, 3)
+    finish_run(result, started, out)
+    say(f"bench: done in {result['duration_seconds']:.0f}s")
+    return result
 
+
+def finish_run(result: dict[str, Any], started: float, out: str | Path) -> None:
+    """Close a bench record (end load average, duration) and write it as JSON to `out`."""
     import json
 
+    result["machine"]["loadavg_end"] = _loadavg()
+    result["duration_seconds"] = round(time.perf_counter() - started, 3)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    say(f"bench: done in {result['duration_seconds']:.0f}s")
-    return result
 

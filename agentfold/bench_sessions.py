@@ -371,7 +371,7 @@ def bench_sessions(model: str | None, out: str | Path, contexts: Sequence[int] =
     context less CONTEXT_HEADROOM (SmolLM2's 8192 becomes 7680) so the prompt and reply fit.
     `quick`: only the smallest context, short replies, no self-check in the workers.
     """
-    from .bench import machine_info, model_bytes, model_record, run_header
+    from .bench import finish_run, machine_info, model_bytes, model_record, run_header
     from .engine.factory import build_engine
     from .engine.loader import load_model
     from .models import resolve
@@ -437,21 +437,9 @@ def bench_sessions(model: str | None, out: str | Path, contexts: Sequence[int] =
             "goal_met": None if goal_ratio is None else goal_ratio <= GOAL_RATIO,
         },
     }
-    result["machine"]["loadavg_end"] = _loadavg()
-    result["duration_seconds"] = round(time.perf_counter() - started, 3)
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    finish_run(result, started, out)
     say(f"bench sessions: done in {result['duration_seconds']:.0f}s")
     return result
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
 
 
 if __name__ == "__main__":  # the worker: one job on stdin, one JSON answer on stdout
