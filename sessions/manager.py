@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,27 @@ def _attention_kernels(model: Any) -> list[Any]:
     return [found, attention.PER_ROW_LIMIT]
 
 
+def assistant_cuts(encode_head: Callable[[Sequence[Message]], list[int]], messages: Sequence[Message],
+                   prompt: Sequence[int]) -> list[int]:
+    """Prefill cuts where each assistant message starts and where this prompt's reply starts.
+
+    `encode_head(messages[:i])` renders a prefix without the generation prompt; a cut is kept
+    only where that rendering is also a token prefix of `prompt`. A resumed turn restores the
+    snapshot taken where the previous reply began, so fresh and resumed prefills pass through
+    the same chunk boundaries and give the same bytes (DESIGN contract 2).
+    """
+    starts = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and i > 0]
+    cuts = []
+    for i in [*starts, len(messages)]:
+        try:
+            head = encode_head(messages[:i])
+        except Exception:  # noqa: BLE001  (a template may refuse a prefix: no cut there)
+            continue
+        if 0 < len(head) < len(prompt) and list(prompt[: len(head)]) == head:
+            cuts.append(len(head))
+    return sorted(set(cuts))
+
+
 @dataclass
 class PreparedTurn:
     """A turn restored and prefilled up to its reply's start, ready to decode."""
@@ -120,19 +141,9 @@ class SessionManager:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
     def render(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
-        """Prompt ids and the plan's cuts: where each assistant message starts, and where the
-        reply to this prompt starts (a rendered prefix that is also a token prefix)."""
+        """Prompt ids and the plan's cuts (see `assistant_cuts`)."""
         prompt = self._encode(messages, True)
-        starts = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and i > 0]
-        cuts = []
-        for i in [*starts, len(messages)]:
-            try:
-                head = self._encode(messages[:i], False)
-            except Exception:  # noqa: BLE001  (a template may refuse a prefix: no cut there)
-                continue
-            if 0 < len(head) < len(prompt) and prompt[: len(head)] == head:
-                cuts.append(len(head))
-        return prompt, sorted(set(cuts))
+        return prompt, assistant_cuts(lambda head: self._encode(head, False), messages, prompt)
 
     # --- replies ---
 

@@ -39,6 +39,7 @@ from agentfold.runtime import (
     TurnRequest,
     render_chat,
 )
+from agentfold.sessions.manager import assistant_cuts
 
 from .report import turn_blocks
 
@@ -272,20 +273,10 @@ def grammar_for(plan: ChatPlan) -> str | None:
 
 def plan_cuts(runtime: Runtime, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
               prompt: Sequence[int]) -> list[int]:
-    """Prefill cuts at the start of each assistant message and of this reply (DESIGN contract 2).
-
-    A resumed turn restores the snapshot taken where the previous reply began, so fresh and
-    resumed prefills pass through the same chunk boundaries and give the same bytes.
-    """
-    cuts = []
-    for i in [*(i for i, m in enumerate(messages) if m.get("role") == "assistant" and i > 0), len(messages)]:
-        try:
-            head = runtime.encode(render_chat(runtime.tokenizer, messages[:i], tools, add_generation_prompt=False))
-        except Exception:  # noqa: BLE001  (a template may refuse a prefix: no cut there)
-            continue
-        if 0 < len(head) < len(prompt) and list(prompt[: len(head)]) == head:
-            cuts.append(len(head))
-    return sorted(set(cuts))
+    """Prefill cuts at each assistant message's start and this reply's, as the chat renders them."""
+    return assistant_cuts(
+        lambda head: runtime.encode(render_chat(runtime.tokenizer, head, tools, add_generation_prompt=False)),
+        messages, prompt)
 
 
 def _instructions(plan: ChatPlan) -> str:
