@@ -138,9 +138,10 @@ def _time_store(store: Any) -> dict[str, list[dict[str, Any]]]:
     record: dict[str, list[dict[str, Any]]] = {"saves": [], "loads": []}
     save, load = store.save, store.load
 
-    def timed_save(key: str, cache: Any, boundaries: Sequence[int], parent: str | None = None) -> str:
+    def timed_save(key: str, cache: Any, boundaries: Sequence[int], parent: str | None = None, *,
+                   backend: Any) -> str:
         wall, began = time.time(), time.perf_counter()
-        snapshot_id = save(key, cache, boundaries, parent)
+        snapshot_id = save(key, cache, boundaries, parent, backend=backend)
         seconds = time.perf_counter() - began
         row = store.row(snapshot_id) or {}
         written = row.get("created", 0.0) >= wall  # an already stored state only has its last_used touched

@@ -23,6 +23,14 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="weights dtype after loading (float32 is fastest on CPU)")
 
 
+def _add_backend_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="mlx", choices=["mlx", "torch"],
+                        help="mlx (default) or torch (PyTorch, CPU or CUDA: pip install 'agentfold[torch]')")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="torch backend device (auto: cuda if visible)")
+    parser.set_defaults(dtype=None)  # float32; bfloat16 for torch on CUDA
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentfold", description="Local inference runtime for coding agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +51,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print the telemetry line as JSON")
+    _add_backend_args(gen)
 
     conv = sub.add_parser("convert", help="write a GGUF file as an MLX folder")
     conv.add_argument("gguf")
@@ -62,11 +71,27 @@ def _build_parser() -> argparse.ArgumentParser:
     sessions.add_argument("--contexts", default="2048,8192", help="context sizes in tokens, comma-separated")
     sessions.add_argument("--quick", action="store_true")
     sessions.add_argument("--out", required=True, help="JSON file to write")
+    suite = bench_sub.add_parser("all", help="agent workloads through the HTTP server against baselines, with a report")
+    _add_model_args(suite)
+    suite.add_argument("--quick", action="store_true", help="1K context only, short replies (a few minutes)")
+    suite.add_argument("--contexts", help="context sizes in tokens, comma-separated (default 1024,4096,16384)")
+    suite.add_argument("--long-model", help="model for contexts beyond --model's window (default: Gemma 3 270M)")
+    suite.add_argument("--seed", type=int, default=0, help="picks the stdlib files and prompts")
+    suite.add_argument("--out", required=True, help="JSON file to write")
+    suite.add_argument("--report-dir", help="also write the Markdown report and PNG plots here")
+    report = bench_sub.add_parser("report", help="Markdown summary and PNG plots from a `bench all` JSON")
+    report.add_argument("results", help="the JSON `bench all` wrote")
+    report.add_argument("--out-dir", help="where to write report.md and the plots (default: next to the JSON)")
+    from . import offload_cli
 
-    from . import integrate, ops_cli, sessions_cli
+    offload_cli.add_bench_parser(bench_sub)
+    offload_cli.add_parser(sub)
+
+    from . import integrate, loadtest, ops_cli, sessions_cli
     from .server import cli as server_cli
 
     integrate.add_parser(sub)
+    loadtest.add_parser(sub)
     server_cli.add_parser(sub)
     ops_cli.add_parsers(sub)
     sessions_cli.add_parser(sub)
@@ -86,7 +111,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                               draft=not args.no_draft)
     drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
     engine = build_engine(resolve(args.model), dtype=args.dtype, drafter=drafter,
-                          draft_model=args.draft_model, progress=_progress)
+                          draft_model=args.draft_model, progress=_progress, backend=args.backend, device=args.device)
     tokenizer = engine.tokenizer
     if args.raw or not tokenizer.chat_template:
         ids = tokenizer.encode(prompt)
@@ -143,6 +168,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench_decode
 
+    if args.bench in ("all", "report"):
+        return _cmd_bench_suite(args)
+    if args.bench == "offload":
+        from .offload_cli import run_bench
+
+        return run_bench(args)
     if args.bench == "sessions":
         from .bench_sessions import BenchError, bench_sessions
 
@@ -162,14 +193,38 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_suite(args: argparse.Namespace) -> int:
+    if args.bench == "report":
+        from .bench_report import report_from_file
+
+        for path in report_from_file(args.results, args.out_dir):
+            _progress(f"wrote {path}")
+        return 0
+    from .bench_server import BenchError
+    from .bench_suite import bench_all
+
+    contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip()) if args.contexts else None
+    try:
+        result = bench_all(args.model, args.out, quick=args.quick, report_dir=args.report_dir, contexts=contexts,
+                           long_model=args.long_model, seed=args.seed, dtype=args.dtype, progress=_progress)
+    except BenchError as error:
+        raise ValueError(str(error)) from error
+    _progress(f"wrote {args.out}: {json.dumps(result['summary'])}")
+    return 0 if result["summary"]["all_equal"] else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    from . import integrate, ops_cli, sessions_cli
+    from . import integrate, loadtest, ops_cli, sessions_cli
     from .server import cli as server_cli
 
     handlers = {"generate": _cmd_generate, "convert": _cmd_convert, "bench": _cmd_bench,
-                "integrate": integrate.run, "serve": server_cli.run, "sessions": sessions_cli.run,
+                "integrate": integrate.run, "loadtest": loadtest.run, "serve": server_cli.run, "sessions": sessions_cli.run,
                 **dict.fromkeys(ops_cli.COMMANDS, ops_cli.run)}
+    if args.command == "profile-experts":
+        from .offload_cli import run_profile
+
+        handlers["profile-experts"] = run_profile
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

@@ -27,7 +27,6 @@ them over stdio (see `agentfold.ops_cli`).
 from __future__ import annotations
 
 import functools
-import hmac
 import json
 import logging
 import typing
@@ -39,18 +38,23 @@ import anyio.to_thread
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
+from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE, TransportSecuritySettings
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field, create_model
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentfold.engine.decode import GenerationConfig
 from agentfold.engine.sampler import SamplingParams
-from agentfold.runtime import RuntimeClosed, TurnRequest, render_chat
+from agentfold.limits import is_loopback
+from agentfold.runtime import RuntimeBusy, RuntimeClosed, TurnRequest, render_chat
+from agentfold.server.auth import KEY_HINT, ApiKey
 from agentfold.server.common import plan_cuts
 from agentfold.server.report import turn_record
 from agentfold.service import Service
+from agentfold.sessions.ids import check_session_id
 from agentfold.telemetry import TurnRecord
 
 log = logging.getLogger(__name__)
@@ -320,7 +324,25 @@ def _config(service: Service, prompt: list[int], max_tokens: int, temperature: f
         raise ToolError(str(error)) from error
 
 
+def _session_id(session_id: str | None) -> str | None:
+    """A session id from a tool argument, checked against the strict pattern (ToolError if not)."""
+    if session_id is None:
+        return None
+    try:
+        return check_session_id(session_id)
+    except ValueError as error:
+        raise ToolError(f"'session_id': {error}") from error
+
+
+def _not_taken(error: RuntimeError) -> ToolError:
+    """A turn the runtime did not take: shutting down, or its queue is full."""
+    if isinstance(error, RuntimeBusy):
+        return ToolError(f"The server is busy ({error}); retry in a few seconds.")
+    return ToolError(f"The server is shutting down: {error}")
+
+
 def _session_row(service: Service, session_id: str) -> dict[str, Any]:
+    _session_id(session_id)
     manager = _sessions(service)
     row = next((s for s in manager.list_sessions() if s["id"] == session_id), None)
     if row is None:
@@ -373,7 +395,7 @@ def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
         session_id: Annotated[str | None, Field(
             description="resume this session's stored cache (created if new); none: a new session")] = None,
         max_tokens: Annotated[int, Field(ge=1, description="reply budget in tokens")] = DEFAULT_MAX_TOKENS,
-        temperature: Annotated[float, Field(ge=0.0, description="0: greedy")] = 0.0,
+        temperature: Annotated[float, Field(ge=0.0, le=2.0, description="0: greedy")] = 0.0,
         seed: Annotated[int, Field(description="sampling seed (matters when temperature > 0)")] = 0,
         draft: Annotated[bool, Field(description="speculative drafting; the reply is the same either way")] = True,
         audit: Annotated[bool, Field(description="replay serially right after and compare (slower)")] = False,
@@ -382,6 +404,7 @@ def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
 
         Progress notifications report committed tokens (of max_tokens) while it decodes.
         """
+        session_id = _session_id(session_id)
         ids, cuts = _prompt(service, messages, prompt)
         config = _config(service, ids, max_tokens, temperature, seed, draft)
         request = TurnRequest(prompt=ids, config=config, api="mcp", client=_client_name(ctx),
@@ -392,8 +415,8 @@ def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
 
         try:
             completion, turn = await service.run_turn(request, on_tokens)
-        except RuntimeClosed as error:
-            raise ToolError(f"The server is shutting down: {error}") from error
+        except (RuntimeBusy, RuntimeClosed) as error:
+            raise _not_taken(error) from error
         turn.extra["finish_reason"] = completion.finish_reason
         turn.extra["tool_calls"] = 0
         if runtime.after_response is not None:
@@ -416,7 +439,7 @@ def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
         messages: Annotated[list[ChatMessage] | None, Field(description="a chat (give this or prompt)")] = None,
         prompt: Annotated[str | None, Field(description="raw text (give this or messages)")] = None,
         max_tokens: Annotated[int, Field(ge=1, description="tokens to compare")] = 64,
-        temperature: Annotated[float, Field(ge=0.0)] = 0.0,
+        temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0,
         seed: int = 0,
     ) -> ExactnessResult:
         """Decode the same prompt with drafting and serially (no session cache) and compare the token ids.
@@ -428,8 +451,8 @@ def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
         config = _config(service, ids, max_tokens, temperature, seed, draft=True)
         try:
             result = await service.check_exactness(ids, config)
-        except RuntimeClosed as error:
-            raise ToolError(f"The server is shutting down: {error}") from error
+        except (RuntimeBusy, RuntimeClosed) as error:
+            raise _not_taken(error) from error
         return ExactnessResult.model_validate(result)
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True,
@@ -441,8 +464,8 @@ def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
             result = await service.audit_turn(turn_id)
         except (KeyError, ValueError) as error:
             raise ToolError(_message(error)) from error
-        except RuntimeClosed as error:
-            raise ToolError(f"The server is shutting down: {error}") from error
+        except (RuntimeBusy, RuntimeClosed) as error:
+            raise _not_taken(error) from error
         return AuditResult.model_validate(result)
 
     # -- telemetry --------------------------------------------------------------------------------
@@ -461,6 +484,7 @@ def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
         limit: Annotated[int, Field(ge=1, le=MAX_LIST)] = 20,
     ) -> TurnList:
         """Recent turns' telemetry rows, newest first."""
+        _session_id(session_id)
 
         def read() -> list[dict[str, Any]]:
             service.telemetry.flush(timeout=30)
@@ -587,30 +611,29 @@ def _version() -> str:
 # ---------------------------------------------------------------------------------------------
 
 class _RequireKey:
-    """ASGI wrapper: with an API key set, MCP requests must carry it like the HTTP APIs' requests."""
+    """ASGI wrapper: with an API key set, MCP requests must carry it like the HTTP APIs' requests.
+
+    (`create_app`'s guard checks it too; this keeps /mcp closed on any app it is mounted on.)
+    """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.key = api_key.encode()
+        self.key = ApiKey(api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-            offered = headers.get("x-api-key", "")
-            auth = headers.get("authorization", "")
-            if auth.lower().startswith("bearer "):
-                offered = offered or auth[7:].strip()
-            if not offered or not hmac.compare_digest(offered.encode(), self.key):
-                response = JSONResponse({"error": {"message": "Invalid API key: send it as 'x-api-key' or "
-                                                   "'Authorization: Bearer <key>'.", "type": "authentication_error"}},
-                                        status_code=401)
+            if not self.key.matches(Headers(scope=scope)):
+                response = JSONResponse({"error": {"message": f"Invalid or missing API key: {KEY_HINT}.",
+                                                   "type": "authentication_error", "code": "invalid_api_key",
+                                                   "param": None}}, status_code=401)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 def mount_mcp(service: Service, api_key: str | None = None, host: str = "127.0.0.1", path: str = "/mcp",
-              mcp: MCPServer | None = None) -> tuple[list[BaseRoute], Callable[[Any], Any]]:
+              mcp: MCPServer | None = None, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
+              cors_origins: Sequence[str] = ()) -> tuple[list[BaseRoute], Callable[[Any], Any]]:
     """Routes and lifespan that serve the MCP tools at `path` (streamable HTTP) on the HTTP app.
 
     Pass them to `create_app(runtime, extra_routes=routes, lifespan=lifespan)`. The lifespan runs
@@ -618,10 +641,18 @@ def mount_mcp(service: Service, api_key: str | None = None, host: str = "127.0.0
     the SDK's own `/mcp` endpoint, not a catch-all `Mount("/")`, so other paths keep the HTTP
     app's 404s. `host` is where the server listens: on a loopback address the SDK's DNS-rebinding
     protection is on (other Host headers get 421); on a public one it is off, as the SDK does.
-    With `api_key`, MCP requests need it too (x-api-key or Bearer), like the HTTP APIs.
+    With `api_key`, MCP requests need it too (x-api-key or Bearer), like the HTTP APIs. Bodies over
+    `max_body_bytes` get the SDK's 413; `cors_origins` are allowed origins besides loopback.
     """
     server = mcp or build_mcp(service)
-    app = server.streamable_http_app(streamable_http_path=path, host=host)
+    security = None
+    if is_loopback(host):  # the SDK's own rule knows only the three usual spellings of loopback
+        security = TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=["127.0.0.1", "127.0.0.1:*", "localhost", "localhost:*", "[::1]", "[::1]:*"],
+            allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*", *cors_origins])
+    app = server.streamable_http_app(streamable_http_path=path, host=host, transport_security=security,
+                                     max_request_body_size=max_body_bytes)
     routes: list[BaseRoute] = []
     for route in app.routes:
         if api_key and isinstance(route, Route) and route.path == path:

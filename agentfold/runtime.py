@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentfold.engine.decode import Completion, Delta, Engine, Generation, GenerationConfig
+from agentfold.limits import DEFAULT_MAX_QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,11 @@ class TurnCancelled(Exception):
 
 class RuntimeClosed(RuntimeError):
     """The runtime is shutting down and takes no more turns."""
+
+
+class RuntimeBusy(RuntimeError):
+    """The wait queue is full (`max_queue`): the client should retry later (HTTP 429)."""
+
 
 
 @dataclass
@@ -104,6 +110,8 @@ class Turn:
         self.audit = "skipped"  # skipped | passed | failed
         self.mismatch_position: int | None = None
         self.extra: dict[str, Any] = {}
+        self.passes = 0  # verify passes the worker ran for this turn
+        self.passes_at_cancel: int | None = None  # `passes` when cancel() was first called
         self._cancel = threading.Event()
         self._iter: Iterator[Delta] | None = None
         self._audit_generation: Generation | None = None
@@ -129,6 +137,8 @@ class Turn:
 
     def cancel(self) -> None:
         """Ask the worker to drop this turn before its next verify pass (idempotent, any thread)."""
+        if not self._cancel.is_set():
+            self.passes_at_cancel = self.passes
         self._cancel.set()
 
     # -- delivery (worker side) -----------------------------------------------------------------
@@ -203,14 +213,17 @@ class Runtime:
     """
 
     def __init__(self, engine: Engine, model_id: str, aliases: Sequence[str] = (), max_active: int = 4,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
         if max_active < 1:
             raise ValueError(f"max_active must be >= 1, not {max_active}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, not {max_queue}")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_id = model_id
         self.aliases = tuple(a for a in aliases if a and a != model_id)
         self.max_active = max_active
+        self.max_queue = max_queue  # turns waiting for a slot beyond this are refused (RuntimeBusy)
         self.context_length = context_length or _context_length(engine)
         self.before_turn: Hook | None = None
         self.after_turn: Hook | None = None
@@ -235,17 +248,31 @@ class Runtime:
         with self._cond:
             return len(self._active)
 
+    def running(self) -> list[Turn]:
+        """The turns decoding now (a copy), e.g. to watch one being cancelled."""
+        with self._cond:
+            return list(self._active)
+
     @property
     def waiting(self) -> int:
         with self._cond:
             return len(self._waiting)
+
+    @property
+    def full(self) -> bool:
+        """True when a new turn would be refused: every slot decoding and `max_queue` turns waiting."""
+        with self._cond:
+            return len(self._waiting) >= self.max_queue and len(self._active) >= self.max_active
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text (the template already holds any BOS it wants)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def submit(self, request: TurnRequest) -> Turn:
-        """Queue a request; from a coroutine its events come through the running loop."""
+        """Queue a request; from a coroutine its events come through the running loop.
+
+        Raises RuntimeBusy when `max_queue` turns already wait, RuntimeClosed when shutting down.
+        """
         if not request.prompt:
             raise ValueError("the prompt is empty")
         try:
@@ -256,6 +283,8 @@ class Runtime:
         with self._cond:
             if self._closing:
                 raise RuntimeClosed("the runtime is shutting down")
+            if len(self._waiting) >= self.max_queue and len(self._active) >= self.max_active:
+                raise RuntimeBusy(f"{len(self._waiting)} requests already wait (limit {self.max_queue})")
             self._waiting.append(turn)
             self.counters["submitted"] += 1
             self._cond.notify()
@@ -317,6 +346,7 @@ class Runtime:
                 turn._iter = iter(turn.generation)
             try:
                 delta = next(turn._iter)
+                turn.passes += 1
             except StopIteration:
                 turn.completion = turn.generation.completion
                 return self._after_reply(turn)

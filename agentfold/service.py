@@ -7,13 +7,21 @@
 - `after_response` (event loop): the API-level finish reason and tool-call count, re-recorded.
 - Audits: `audit_turn` replays a stored turn serially (no drafts, no snapshot) and compares token
   ids; `audit_rate` queues such replays for a share of turns after their reply went out.
+- Storage faults never cost a reply: a home that cannot be written (read-only, full) at start-up
+  turns sessions off and keeps telemetry in a temporary file, with a warning; a session write that
+  fails later (disk full) logs a warning and that turn runs without its session cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import shutil
+import sqlite3
+import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +55,22 @@ def config_from_inputs(inputs: dict[str, Any], draft: bool) -> GenerationConfig:
                             stop=tuple(inputs["stop"]), draft=draft, grammar=inputs.get("grammar"))
 
 
+def unwritable(path: Path) -> str | None:
+    """None when files can be created (and removed) in `path`; else the reason, e.g. 'Read-only file system'."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".agentfold-probe-", dir=path)
+        try:
+            os.write(fd, b"x")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
 class Service:
     """Everything `agentfold serve` (and the MCP server) runs around one engine."""
 
@@ -57,9 +81,14 @@ class Service:
         self.runtime = runtime
         self.engine = runtime.engine
         self.home = Path(home) if home else default_home()
-        self.home.mkdir(parents=True, exist_ok=True)
-        self.sessions = SessionManager(self.engine, self.home) if sessions else None
-        self.telemetry = TelemetryStore(self.home / "telemetry.sqlite")
+        self._scratch: Path | None = None
+        problem = unwritable(self.home) or (unwritable(self.home / "snapshots") if sessions else None)
+        self.persistent = problem is None
+        if problem:
+            log.warning("%s cannot be written (%s): serving WITHOUT persistence (no session snapshots; "
+                        "telemetry in a temporary file, lost at exit)", self.home, problem)
+        self.sessions = self._open_sessions() if sessions and self.persistent else None
+        self.telemetry = self._open_telemetry()
         self.metrics = Metrics()
         self.audit_rate = audit_rate
         self._random = random.Random(0)
@@ -67,12 +96,32 @@ class Service:
         runtime.after_turn = self._after_turn
         runtime.after_response = self._after_response
 
+    def _open_sessions(self) -> SessionManager | None:
+        try:
+            return SessionManager(self.engine, self.home)
+        except (OSError, sqlite3.Error) as error:
+            log.warning("session index in %s unusable (%s): serving without session snapshots", self.home, error)
+            return None
+
+    def _open_telemetry(self) -> TelemetryStore:
+        if self.persistent:
+            try:
+                return TelemetryStore(self.home / "telemetry.sqlite")
+            except (OSError, sqlite3.Error) as error:
+                log.warning("telemetry in %s unusable (%s): keeping it in a temporary file", self.home, error)
+        self._scratch = Path(tempfile.mkdtemp(prefix="agentfold-telemetry-"))
+        return TelemetryStore(self._scratch / "telemetry.sqlite")
+
     # -- hooks (worker thread, except after_response) ---------------------------------------------
     def _before_turn(self, turn: Turn) -> None:
         request = turn.request
         if self.sessions is None or request.meta.get("no_session") or request.cache is not None:
             return
-        prepared = self.sessions.prepare(request.prompt, request.session_id, request.cuts)
+        try:
+            prepared = self.sessions.prepare(request.prompt, request.session_id, request.cuts)
+        except (OSError, sqlite3.Error) as error:  # disk full / read-only: the reply is the same without it
+            log.warning("session store failed (%s): turn %s runs without its session cache", error, turn.id)
+            return
         request.cache, request.cuts, request.session_id = prepared.cache, tuple(prepared.cuts), prepared.session_id
         turn.extra["prepared"] = prepared
 
@@ -80,7 +129,12 @@ class Service:
         completion = turn.completion
         assert completion is not None
         prepared = turn.extra.pop("prepared", None)
-        info = self.sessions.finish(prepared, completion) if prepared is not None else None
+        info = None
+        if prepared is not None:
+            try:
+                info = self.sessions.finish(prepared, completion)
+            except (OSError, sqlite3.Error) as error:
+                log.warning("session store failed (%s): turn %s is not recorded in its session", error, turn.id)
         request = turn.request
         record = TurnRecord.from_completion(
             completion, session_id=request.session_id, api=request.api, client=request.client,
@@ -160,22 +214,32 @@ class Service:
     def close(self) -> None:
         self.runtime.close()
         self.telemetry.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 def build_app(service: Service, api_key: str | None = None, default_max_tokens: int | None = None,
-              host: str = "127.0.0.1") -> Any:
-    """The HTTP app of a service: the APIs, `/metrics` (Prometheus), `/dashboard` and MCP at `/mcp`."""
+              host: str = "127.0.0.1", max_body_bytes: int | None = None, cors_origins: Sequence[str] = ()) -> Any:
+    """The HTTP app of a service: the APIs, `/metrics` (Prometheus), `/dashboard` and MCP at `/mcp`.
+
+    `host`, `api_key`, `max_body_bytes` and `cors_origins` apply to every route (see server.guard).
+    """
     from starlette.responses import Response
     from starlette.routing import Route
 
     from agentfold.mcp_server import mount_mcp
     from agentfold.server.app import create_app
     from agentfold.server.dashboard import dashboard_routes
+    from agentfold.server.guard import DEFAULT_MAX_BODY_BYTES
+
+    limit = max_body_bytes or DEFAULT_MAX_BODY_BYTES
 
     async def metrics(request: Any) -> Response:
         return Response(service.metrics.render(), media_type=service.metrics.content_type)
 
-    mcp_routes, lifespan = mount_mcp(service, api_key=api_key, host=host)
+    mcp_routes, lifespan = mount_mcp(service, api_key=api_key, host=host, max_body_bytes=limit,
+                                     cors_origins=cors_origins)
     return create_app(service.runtime, api_key=api_key, default_max_tokens=default_max_tokens,
                       extra_routes=[Route("/metrics", metrics, methods=["GET"]), *dashboard_routes(service.telemetry),
-                                    *mcp_routes], lifespan=lifespan)
+                                    *mcp_routes], lifespan=lifespan, host=host, max_body_bytes=limit,
+                      cors_origins=cors_origins)

@@ -95,6 +95,8 @@ class TurnRecord:
     # one verify pass share a time). Kept so summaries and histograms use real gaps, not
     # percentiles of percentiles.
     emit_ms: list[float] = field(default_factory=list)
+    # MoE expert offload of the turn (hit rate, experts per layer by tier, swaps, time split); None without
+    offload: dict[str, Any] | None = None
     # what replaying the turn needs (prompt ids, sampling, limits, reply ids): audits read it
     inputs: dict[str, Any] = field(default_factory=dict)
 
@@ -167,6 +169,7 @@ class TurnRecord:
             cache_miss_reason=cache_miss_reason,
             token_sha=completion.token_sha,
             emit_ms=emit_ms,
+            offload=getattr(stats, "offload", None),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,16 +216,22 @@ def _percentiles(values: Any, qs: tuple[float, ...]) -> list[float]:
 # --- SQLite ----------------------------------------------------------------------------------
 
 _HINTS = typing.get_type_hints(TurnRecord)
-JSON_FIELDS = tuple(name for name, hint in _HINTS.items() if typing.get_origin(hint) in (list, dict))
+
+
+def _unwrap_optional(hint: Any) -> Any:
+    """X for `X | None`, else the hint itself."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return hint
+
+
+JSON_FIELDS = tuple(name for name, hint in _HINTS.items() if typing.get_origin(_unwrap_optional(hint)) in (list, dict))
 
 
 def _column_type(hint: Any) -> type:
-    """SQLite column type of a field: lists are JSON text, `X | None` is a nullable X."""
-    if typing.get_origin(hint) in (list, dict):
-        return str
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    return hint
+    """SQLite column type of a field: lists and dicts are JSON text, `X | None` is a nullable X."""
+    hint = _unwrap_optional(hint)
+    return str if typing.get_origin(hint) in (list, dict) else hint
 
 
 COLUMNS: dict[str, type] = {name: _column_type(hint) for name, hint in _HINTS.items()}
@@ -232,7 +241,7 @@ NULLABLE = {name for name, hint in _HINTS.items() if type(None) in typing.get_ar
 def _to_row(record: TurnRecord) -> dict[str, Any]:
     row = record.to_dict()
     for name in JSON_FIELDS:
-        row[name] = json.dumps(row[name])
+        row[name] = None if row[name] is None else json.dumps(row[name])
     return row
 
 

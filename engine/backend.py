@@ -10,6 +10,7 @@ serial decoding reaches.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +128,64 @@ class MLXBackend:
             if i not in self.recurrent_layers:
                 layer.trim(count)
         del cache.tokens[len(cache.tokens) - count :]
+
+    # --- snapshots (sessions.store) ---
+
+    def cache_to_arrays(self, cache: CacheState) -> tuple[dict[str, mx.array], list[dict[str, Any]]]:
+        """The arrays that make up `cache`, and a per-layer layout that says how to put them back."""
+        arrays: dict[str, mx.array] = {"tokens": mx.array(np.asarray(cache.tokens, dtype=np.int32))}
+        layout: list[dict[str, Any]] = []
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, ArraysCache):
+                if layer.left_padding is not None or layer.lengths is not None:
+                    raise ValueError(f"layer {i}: batched recurrent state is not supported")
+                present = [j for j, a in enumerate(layer.cache) if a is not None]
+                arrays.update({f"{i}.{j}": layer.cache[j] for j in present})
+                layout.append({"kind": "arrays", "size": len(layer.cache), "present": present})
+            elif type(layer) is KVCache:
+                if layer.keys is None:
+                    layout.append({"kind": "kv", "offset": 0})
+                    continue
+                n = layer.offset
+                arrays[f"{i}.keys"] = layer.keys[..., :n, :]
+                arrays[f"{i}.values"] = layer.values[..., :n, :]
+                layout.append({"kind": "kv", "offset": n})
+            else:
+                raise ValueError(f"layer {i}: {type(layer).__name__} caches cannot be snapshotted")
+        return arrays, layout
+
+    def arrays_to_cache(self, arrays: dict[str, mx.array], layout: list[dict[str, Any]]) -> CacheState:
+        """A new cache holding `arrays`. Each array is a new Python object, so the cache's in-place
+        updates (`keys[...] = ...`) can never reach the caller's copy (the store's hot LRU)."""
+        cache = self.new_cache()
+        if len(cache.layers) != len(layout):
+            raise ValueError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
+        for i, (layer, spec) in enumerate(zip(cache.layers, layout, strict=True)):
+            if spec["kind"] == "arrays" and isinstance(layer, ArraysCache):
+                state = [None] * spec["size"]
+                for j in spec["present"]:
+                    state[j] = mx.array(arrays[f"{i}.{j}"])
+                layer.cache, layer.left_padding, layer.lengths = state, None, None
+            elif spec["kind"] == "kv" and type(layer) is KVCache:
+                if spec["offset"]:
+                    layer.keys, layer.values = mx.array(arrays[f"{i}.keys"]), mx.array(arrays[f"{i}.values"])
+                    layer.offset = spec["offset"]
+            else:
+                raise ValueError(f"layer {i}: snapshot holds {spec['kind']}, the model {type(layer).__name__}")
+        cache.tokens = [int(t) for t in np.array(arrays["tokens"])]
+        return cache
+
+    def describe(self) -> dict[str, Any]:
+        """Kernel identity and library versions: what, besides the weights, decides the bytes."""
+        import mlx_lm
+
+        kernels = []  # which mlx-lm modules run the row-exact attention (it decides short prefill chunks)
+        for cls in type(self.model).__mro__:
+            sdpa = getattr(sys.modules.get(cls.__module__), "scaled_dot_product_attention", None)
+            if sdpa is not None:
+                kernels.append((cls.__module__, bool(getattr(sdpa, "agentfold_row_exact", False))))
+        return {"backend": self.name, "attention": [kernels, attention.PER_ROW_LIMIT],
+                "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
 
 
 def _copy_state(state: Sequence[Any]) -> list[Any]:

@@ -14,6 +14,7 @@ import hashlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .backend import CacheState, MLXBackend
 from .constraints import GrammarConstraint
@@ -59,6 +60,7 @@ class DecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     pass_seconds: list[float] = field(default_factory=list)
     emit_times: list[float] = field(default_factory=list)  # seconds since start, per token
+    offload: dict[str, Any] | None = None  # MoE expert offload counters of this reply (engine.offload)
 
     @property
     def discarded(self) -> int:
@@ -202,6 +204,8 @@ class Engine:
         if cache.tokens != list(prompt[: cache.length]) or cache.length >= len(prompt):
             raise ValueError("the cache does not hold a proper prefix of this prompt")
         stats = DecodeStats(prompt_tokens=len(prompt), cached_tokens=cache.length)
+        offload = getattr(getattr(self.backend, "model", None), "expert_offload", None)
+        offload_mark = offload.snapshot() if offload is not None else None
         todo = list(prompt[cache.length : -1])
         self.backend.prefill(todo, cache, self.plan(cache.length, len(prompt) - 1, cuts))
         stats.prefilled_tokens = len(todo) + 1
@@ -277,6 +281,8 @@ class Engine:
         stats.completion_tokens = len(emitted)
         stats.total_seconds = time.perf_counter() - started
         stats.decode_seconds = stats.total_seconds - stats.ttft_seconds
+        if offload is not None:
+            stats.offload = offload.report(offload_mark)
         return Completion(emitted, detok.text, finish, stats)
 
     def _verify(self, logits, drafts: list[int], base: int, params: SamplingParams,

@@ -18,6 +18,7 @@ import numpy as np
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _BELOW_ONE = np.nextafter(1.0, 0.0)  # 1 - 2**-53, the largest float64 below 1
+MIN_TEMPERATURE = 1e-30  # below this (but above 0) logits / T can overflow float64 (e.g. 5e-324)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # logits / T would overflow to inf (and NaN probabilities)
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, not {self.temperature:g}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, not {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
+import shutil
 import threading
 import time
 import uuid
@@ -23,12 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx_lm
-
 from ..engine.backend import CacheState
 from ..engine.decode import Completion, Engine, GenerationConfig
-from ..kernels import attention
+from .ids import check_session_id
 from .store import DEFAULT_BUDGET, DEFAULT_HOT_BYTES, LAYOUT_VERSION, SnapshotError, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -68,22 +65,10 @@ def snapshot_key(engine: Engine) -> str:
         "chat_template": getattr(tokenizer, "chat_template", None),
         "layout": LAYOUT_VERSION,
         "backend": engine.backend.name,
-        "attention": _attention_kernels(engine.backend.model),
-        "mlx": (mx.__version__, mlx_lm.__version__),
+        "kernels": engine.backend.describe(),
         "plan": (PLAN_VERSION, engine.chunk_size),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _attention_kernels(model: Any) -> list[Any]:
-    """Which mlx-lm modules run the row-exact attention (it decides short prefill chunks)."""
-    found = []
-    for cls in type(model).__mro__:
-        module = sys.modules.get(cls.__module__)
-        sdpa = getattr(module, "scaled_dot_product_attention", None)
-        if sdpa is not None:
-            found.append((cls.__module__, bool(getattr(sdpa, "agentfold_row_exact", False))))
-    return [found, attention.PER_ROW_LIMIT]
 
 
 def assistant_cuts(encode_head: Callable[[Sequence[Message]], list[int]], messages: Sequence[Message],
@@ -226,9 +211,13 @@ class SessionManager:
 
     def _save(self, cache: CacheState, boundaries: list[int], parent: str | None, reasons: list[str]) -> str | None:
         try:
-            saved = self.store.save(self.key, cache, boundaries, parent)
-        except (SnapshotError, OSError) as error:
-            log.warning("snapshot not saved: %s", error)
+            saved = self.store.save(self.key, cache, boundaries, parent, backend=self.engine.backend)
+        except Exception as error:  # noqa: BLE001  (disk full, read-only, MLX write errors: prefill next time)
+            try:
+                free = f"{shutil.disk_usage(self.store.dir).free / 1e6:.1f} MB free in {self.store.dir}"
+            except OSError:
+                free = f"{self.store.dir} unreadable"
+            log.warning("snapshot not saved (%s; %s): the next turn prefills instead", error, free)
             reasons.append(f"not saved: {error}")
             return None
         self.store.evict(keep={saved} | ({parent} if parent else set()))
@@ -242,7 +231,7 @@ class SessionManager:
         return self.new_session(title, session_id=session_id)
 
     def new_session(self, title: str = "", parent: str | None = None, session_id: str | None = None) -> str:
-        session_id = session_id or uuid.uuid4().hex
+        session_id = check_session_id(session_id) if session_id is not None else uuid.uuid4().hex
         now = time.time()
         with self.store.write() as db:
             db["sessions"].insert({"id": session_id, "created": now, "last_used": now, "pinned": 0,

@@ -33,9 +33,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import sqlite_utils
-from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..engine.backend import CacheState, MLXBackend
+from .recovery import recover
+
+Backend = MLXBackend  # or engine.torch_backend.TorchBackend: both turn caches into arrays and back
 
 log = logging.getLogger(__name__)
 
@@ -56,55 +58,6 @@ def default_home() -> Path:
 def tokens_sha(tokens: Sequence[int]) -> str:
     """sha256 of token ids as little-endian int32 (the same bytes as `engine.decode.token_sha`)."""
     return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
-
-
-# --- cache <-> arrays --------------------------------------------------------------------------
-
-
-def cache_to_arrays(cache: CacheState) -> tuple[dict[str, mx.array], list[dict[str, Any]]]:
-    """The arrays that make up `cache`, and a per-layer layout that says how to put them back."""
-    arrays: dict[str, mx.array] = {"tokens": mx.array(np.asarray(cache.tokens, dtype=np.int32))}
-    layout: list[dict[str, Any]] = []
-    for i, layer in enumerate(cache.layers):
-        if isinstance(layer, ArraysCache):
-            if layer.left_padding is not None or layer.lengths is not None:
-                raise SnapshotError(f"layer {i}: batched recurrent state is not supported")
-            present = [j for j, a in enumerate(layer.cache) if a is not None]
-            arrays.update({f"{i}.{j}": layer.cache[j] for j in present})
-            layout.append({"kind": "arrays", "size": len(layer.cache), "present": present})
-        elif type(layer) is KVCache:
-            if layer.keys is None:
-                layout.append({"kind": "kv", "offset": 0})
-                continue
-            n = layer.offset
-            arrays[f"{i}.keys"] = layer.keys[..., :n, :]
-            arrays[f"{i}.values"] = layer.values[..., :n, :]
-            layout.append({"kind": "kv", "offset": n})
-        else:
-            raise SnapshotError(f"layer {i}: {type(layer).__name__} caches cannot be snapshotted")
-    return arrays, layout
-
-
-def arrays_to_cache(backend: MLXBackend, arrays: dict[str, mx.array], layout: list[dict[str, Any]]) -> CacheState:
-    """A new cache holding `arrays`. Each array is a new Python object, so the cache's in-place
-    updates (`keys[...] = ...`) can never reach the caller's copy (the hot LRU)."""
-    cache = backend.new_cache()
-    if len(cache.layers) != len(layout):
-        raise SnapshotError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
-    for i, (layer, spec) in enumerate(zip(cache.layers, layout, strict=True)):
-        if spec["kind"] == "arrays" and isinstance(layer, ArraysCache):
-            state = [None] * spec["size"]
-            for j in spec["present"]:
-                state[j] = mx.array(arrays[f"{i}.{j}"])
-            layer.cache, layer.left_padding, layer.lengths = state, None, None
-        elif spec["kind"] == "kv" and type(layer) is KVCache:
-            if spec["offset"]:
-                layer.keys, layer.values = mx.array(arrays[f"{i}.keys"]), mx.array(arrays[f"{i}.values"])
-                layer.offset = spec["offset"]
-        else:
-            raise SnapshotError(f"layer {i}: snapshot holds {spec['kind']}, the model {type(layer).__name__}")
-    cache.tokens = [int(t) for t in np.array(arrays["tokens"])]
-    return cache
 
 
 # --- the store ----------------------------------------------------------------------------------
@@ -165,6 +118,7 @@ class SnapshotStore:
             self._writer["snapshots"].create_index(["key", "tokens_hash"], if_not_exists=True)
             self._writer["turns"].create_index(["session_id"], if_not_exists=True)
             self._writer["turns"].create_index(["snapshot_id"], if_not_exists=True)
+        self.recovered = recover(self)  # crash debris: temp files, unindexed files, rows without a file
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.db_path, timeout=30, check_same_thread=False)
@@ -197,7 +151,8 @@ class SnapshotStore:
 
     # --- write ---
 
-    def save(self, key: str, cache: CacheState, boundaries: Sequence[int], parent: str | None = None) -> str:
+    def save(self, key: str, cache: CacheState, boundaries: Sequence[int], parent: str | None = None, *,
+             backend: Backend) -> str:
         """Write `cache` (built on the prefill `boundaries` below its length); returns its id.
 
         The id is a hash of key, tokens and boundaries, so the same state is stored once.
@@ -211,7 +166,10 @@ class SnapshotStore:
             with self.write() as db:
                 db["snapshots"].update(snapshot_id, {"last_used": now})
             return snapshot_id
-        arrays, layout = cache_to_arrays(cache)
+        try:
+            arrays, layout = backend.cache_to_arrays(cache)
+        except ValueError as error:
+            raise SnapshotError(str(error)) from error
         metadata = {"format": FORMAT, "layout_version": str(LAYOUT_VERSION), "key": key,
                     "layers": json.dumps(layout), "boundaries": plan}
         name = f"{snapshot_id}.safetensors"
@@ -294,7 +252,7 @@ class SnapshotStore:
         usable.sort(key=lambda r: (r["token_count"], r["last_used"]), reverse=True)
         return usable, other_key
 
-    def load(self, row: dict[str, Any], backend: MLXBackend) -> CacheState:
+    def load(self, row: dict[str, Any], backend: Backend) -> CacheState:
         """The cache of a snapshot row, verified first; raises SnapshotError with the reason."""
         path = self.dir / row["file"]
         hot = self._hot.get(row["id"])
@@ -312,7 +270,10 @@ class SnapshotStore:
             if hashlib.sha256(data).hexdigest() != row["checksum"]:
                 raise SnapshotError(f"snapshot {row['id']}: checksum mismatch")
             arrays, layout = self._remember(row["id"], data)
-        cache = arrays_to_cache(backend, arrays, layout)
+        try:
+            cache = backend.arrays_to_cache(arrays, layout)
+        except ValueError as error:
+            raise SnapshotError(f"snapshot {row['id']}: {error}") from error
         if cache.length != row["token_count"] or tokens_sha(cache.tokens) != row["tokens_hash"]:
             raise SnapshotError(f"snapshot {row['id']}: tokens do not match its index row")
         with self.write() as db:

@@ -187,8 +187,10 @@ def test_damaged_snapshot_is_dropped(tiny, tmp_path, damage):
         manager = SessionManager(engine, home)
 
     completion, info = manager.reply(messages, SERIAL, infos[-1].session_id)
-    expected = {"flip": "checksum mismatch", "truncate": "truncated", "missing": "missing"}[damage]
-    assert any(expected in reason for reason in info.miss_reasons), info.miss_reasons
+    if damage == "flip":
+        assert any("checksum mismatch" in reason for reason in info.miss_reasons), info.miss_reasons
+    else:  # a restarted store drops a row whose file is gone or cut short at start-up (sessions.recovery)
+        assert victim in manager.store.recovered.dropped_rows
     assert completion.tokens == fresh.tokens
     assert manager.store.row(victim) is None and not path.exists()
     assert info.snapshot_id == infos[0].saved_snapshot_id  # fell back to the turn before

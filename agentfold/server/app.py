@@ -1,4 +1,4 @@
-"""The Starlette application: routes, authentication, and errors in each API's own shape.
+"""The Starlette application: routes, request guards (see `guard`), and errors in each API's own shape.
 
 Coding assistants are picky about errors: an OpenAI client expects `{"error": {"message", "type",
 "code", "param"}}`, an Anthropic one `{"type": "error", "error": {"type", "message"}}`. Every
@@ -11,8 +11,10 @@ the same model (Claude Code and Codex send whatever their configuration names).
 
 from __future__ import annotations
 
-import hmac
 import logging
+import os
+import resource
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -24,8 +26,9 @@ from starlette.routing import BaseRoute, Route
 
 from agentfold.runtime import Runtime
 
-from . import anthropic_api, openai_api, responses_api
+from . import anthropic_api, auth, guard, openai_api, responses_api
 from .common import ApiError, read_json
+from .guard import DEFAULT_MAX_BODY_BYTES, GuardConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,24 +36,30 @@ Handler = Callable[[Any, Request, dict[str, Any]], Awaitable[Response]]
 
 
 class Server:
-    """What the handlers share: the runtime, the optional API key and the default reply budget."""
+    """What the handlers share: the runtime, the optional API key (hashed) and the request limits."""
 
-    def __init__(self, runtime: Runtime, api_key: str | None = None, default_max_tokens: int | None = None) -> None:
+    def __init__(self, runtime: Runtime, api_key: str | None = None, default_max_tokens: int | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.runtime = runtime
-        self.api_key = api_key or None
+        self.api_key = auth.api_key(api_key)
         self.default_max_tokens = default_max_tokens
+        self.max_body_bytes = max_body_bytes
 
     def check_auth(self, request: Request) -> None:
         """With a key configured, `x-api-key` or `Authorization: Bearer` must match; else anything goes."""
-        if self.api_key is None:
-            return
-        offered = request.headers.get("x-api-key") or ""
-        auth = request.headers.get("authorization") or ""
-        if auth.lower().startswith("bearer "):
-            offered = offered or auth[7:].strip()
-        if not offered or not hmac.compare_digest(offered.encode(), self.api_key.encode()):
-            raise ApiError("Invalid API key: send it as 'x-api-key' or 'Authorization: Bearer <key>'.", status=401,
+        if self.api_key is not None and not self.api_key.matches(request.headers):
+            raise ApiError(f"Invalid or missing API key: {auth.KEY_HINT}.", status=401,
                            type="authentication_error", code="invalid_api_key")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux: /proc; elsewhere the peak), for /health and load tests."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 def _is_anthropic(path: str) -> bool:
@@ -58,14 +67,16 @@ def _is_anthropic(path: str) -> bool:
 
 
 def error_response(path: str, error: ApiError) -> JSONResponse:
-    return anthropic_api.anthropic_error(error) if _is_anthropic(path) else openai_api.openai_error(error)
+    response = anthropic_api.anthropic_error(error) if _is_anthropic(path) else openai_api.openai_error(error)
+    response.headers.update(error.headers)
+    return response
 
 
 def _endpoint(server: Server, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     async def run(request: Request) -> Response:
         try:
             server.check_auth(request)
-            body = await read_json(request)
+            body = await read_json(request, server.max_body_bytes)
             return await handler(server, request, body)
         except ApiError as error:
             return error_response(request.url.path, error)
@@ -78,15 +89,21 @@ def _endpoint(server: Server, handler: Handler) -> Callable[[Request], Awaitable
 
 
 def create_app(runtime: Runtime, api_key: str | None = None, default_max_tokens: int | None = None,
-               extra_routes: Sequence[BaseRoute] = (), lifespan: Any = None) -> Starlette:
-    """The HTTP app for one runtime. `extra_routes` come after ours (e.g. /metrics, a Mount of MCP at /)."""
-    server = Server(runtime, api_key, default_max_tokens)
+               extra_routes: Sequence[BaseRoute] = (), lifespan: Any = None, host: str = "127.0.0.1",
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: Sequence[str] = ()) -> Starlette:
+    """The HTTP app for one runtime. `extra_routes` come after ours (e.g. /metrics, a Mount of MCP at /).
+
+    `host` is where it listens (loopback turns on the Host / Origin checks of `guard`); with
+    `api_key` every route but /health needs it; bodies over `max_body_bytes` get a 413; CORS
+    headers are sent only for `cors_origins`.
+    """
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, not {max_body_bytes}")
+    server = Server(runtime, api_key, default_max_tokens, max_body_bytes)
+    guard_config = GuardConfig(host=host, api_key=server.api_key, max_body_bytes=max_body_bytes,
+                               cors_origins=tuple(cors_origins))
 
     async def models(request: Request) -> Response:
-        try:
-            server.check_auth(request)
-        except ApiError as error:
-            return error_response(request.url.path, error)
         return JSONResponse(openai_api.models(server))
 
     async def model(request: Request) -> Response:
@@ -100,6 +117,7 @@ def create_app(runtime: Runtime, api_key: str | None = None, default_max_tokens:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": runtime.model_id, "active": runtime.active,
                              "waiting": runtime.waiting, "max_active": runtime.max_active,
+                             "max_queue": runtime.max_queue, "rss_bytes": rss_bytes(),
                              "context_length": runtime.context_length, "turns": dict(runtime.counters),
                              "exactness": runtime.engine.exactness.describe()})
 
@@ -148,7 +166,7 @@ def create_app(runtime: Runtime, api_key: str | None = None, default_max_tokens:
         return error_response(request.url.path, ApiError("Internal server error.", status=500, type="server_error"))
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error},
-                    lifespan=lifespan)
+                    middleware=guard.middleware(guard_config, error_response), lifespan=lifespan)
     app.state.server = server
     app.state.runtime = runtime
     return app

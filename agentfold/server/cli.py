@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import agentfold  # noqa: F401  (fast BLAS before mlx)
+from agentfold.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -29,8 +30,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="serve the model over HTTP (OpenAI, Responses, Anthropic APIs)",
                                    description="Serve one local model to coding assistants over HTTP.")
     parser.add_argument("--model", help="GGUF file or MLX/Hugging Face folder (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "keep"],
-                        help="weights dtype after loading (float32 is fastest on CPU)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "keep"],
+                        help="weights dtype after loading (default float32, fastest on CPU; torch on CUDA: bfloat16)")
+    parser.add_argument("--backend", default="mlx", choices=["mlx", "torch"],
+                        help="mlx (default) or torch (PyTorch, CPU or CUDA: pip install 'agentfold[torch]')")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="torch backend device (auto: cuda if visible)")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     parser.add_argument("--drafter", default="suffix", choices=["suffix", "draft-model", "none"],
@@ -44,7 +49,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--default-max-tokens", type=int, default=None,
                         help="reply budget when a request names none (default: the rest of the context)")
     parser.add_argument("--api-key", default=os.environ.get("AGENTFOLD_API_KEY"),
-                        help="require this key (x-api-key or Bearer); default $AGENTFOLD_API_KEY, else none")
+                        help="require this key (x-api-key or Bearer) on every route but /health; "
+                             "default $AGENTFOLD_API_KEY (keeps it off the command line), else none")
+    parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                        help=f"requests waiting beyond --max-active before new ones get 429 + Retry-After "
+                             f"(default {DEFAULT_MAX_QUEUE})")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help=f"largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    parser.add_argument("--cors-origin", action="append", default=[],
+                        help="allow browser requests from this origin (repeatable; default: none, CORS off)")
     parser.add_argument("--home", default=None,
                         help="sessions, snapshots and telemetry (default $AGENTFOLD_HOME or ~/.local/share/agentfold)")
     parser.add_argument("--no-sessions", action="store_true", help="do not keep KV snapshots (prefill every turn)")
@@ -72,6 +85,18 @@ def _check_port(host: str, port: int) -> None:
                           "(is another server running? pick another --port)") from error
 
 
+def check_limits(args: argparse.Namespace) -> None:
+    """Refuse unsafe or impossible settings before the model loads (one readable line, exit 2)."""
+    if not is_loopback(args.host) and not args.api_key:
+        raise ValueError(f"refusing to listen on {args.host} without an API key: anyone on the network could "
+                         "use the model and read its sessions; pass --api-key (or set AGENTFOLD_API_KEY), "
+                         "or keep the default --host 127.0.0.1")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, not {args.max_queue}")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be >= 1024, not {args.max_body_bytes}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Load, build the runtime and serve; returns the exit status."""
     import uvicorn
@@ -85,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 1..65535, not {args.port}")
     if args.max_active < 1:
         raise ValueError(f"--max-active must be >= 1, not {args.max_active}")
+    check_limits(args)
     if not 0.0 <= args.audit_rate <= 1.0:
         raise ValueError(f"--audit-rate must be in [0, 1], not {args.audit_rate}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
@@ -96,16 +122,19 @@ def run(args: argparse.Namespace) -> int:
     drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
     _progress(f"loading {path}")
     engine = build_engine(path, dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
-                          progress=_progress)
+                          progress=_progress, backend=args.backend, device=args.device)
     name = engine.backend.loaded.name
-    runtime = Runtime(engine, name, aliases=[*args.alias, *default_aliases(name)], max_active=args.max_active)
+    runtime = Runtime(engine, name, aliases=[*args.alias, *default_aliases(name)], max_active=args.max_active,
+                      max_queue=args.max_queue)
     service = Service(runtime, home=args.home, sessions=not args.no_sessions, audit_rate=args.audit_rate)
-    app = build_app(service, api_key=args.api_key, default_max_tokens=args.default_max_tokens, host=args.host)
+    app = build_app(service, api_key=args.api_key, default_max_tokens=args.default_max_tokens, host=args.host,
+                    max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin)
+    keyed, args.api_key = bool(args.api_key), None  # only its hash is kept (server.auth)
     _progress(f"sessions and telemetry in {service.home}")
     _progress(f"serving {name} (context {runtime.context_length}, {engine.exactness.describe()}) "
               f"on http://{args.host}:{args.port}  names: {', '.join(runtime.model_names)}")
-    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        _progress(f"warning: listening on {args.host} without an API key")
+    if keyed:
+        _progress("API key required on every route but /health")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                     timeout_graceful_shutdown=5)

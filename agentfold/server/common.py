@@ -26,10 +26,12 @@ from starlette.requests import Request
 from agentfold.engine.constraints import json_object_grammar, json_schema_grammar, tool_call_grammar
 from agentfold.engine.decode import Completion, Delta, GenerationConfig
 from agentfold.engine.sampler import SamplingParams
+from agentfold.limits import DEFAULT_MAX_BODY_BYTES
 from agentfold.runtime import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     Runtime,
+    RuntimeBusy,
     RuntimeClosed,
     TextPiece,
     ToolCall,
@@ -39,6 +41,7 @@ from agentfold.runtime import (
     TurnRequest,
     render_chat,
 )
+from agentfold.sessions.ids import check_session_id
 from agentfold.sessions.manager import assistant_cuts
 
 from .report import turn_blocks
@@ -50,13 +53,14 @@ class ApiError(Exception):
     """A request the client must fix (or a server state it must wait out), with its HTTP status."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.type = type
         self.code = code
         self.param = param
+        self.headers = dict(headers or {})  # e.g. Retry-After on a 429
 
 
 def new_id(prefix: str) -> str:
@@ -67,18 +71,54 @@ def new_id(prefix: str) -> str:
 # Reading and checking request bodies
 # ---------------------------------------------------------------------------------------------
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 that says what is wrong with it."""
-    raw = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, counted while read: past `limit` bytes it is a 413 (chunked bodies have no length)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"The request body is larger than {limit} bytes, the most this server accepts "
+                           "(raise it with --max-body-bytes).", status=413, code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES) -> dict[str, Any]:
+    """The request body as a JSON object, or a 4xx that says what is wrong with it."""
+    raw = await read_body(request, limit)
     if not raw.strip():
         raise ApiError("The request body is empty; send a JSON object.")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ApiError(f"The request body is not valid UTF-8 (byte {error.start}: {raw[error.start:error.start + 1]!r}); "
+                       "send JSON encoded as UTF-8.") from error
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError) as error:
         raise ApiError(f"The request body is not valid JSON: {error}.") from error
+    _check_strings(body)
     if not isinstance(body, dict):
         raise ApiError(f"The request body must be a JSON object, not {_kind(body)}.")
     return body
+
+
+def _check_strings(value: Any) -> None:
+    """Refuse lone surrogates (JSON `\\ud800` escapes): no tokenizer, log or database can take them."""
+    stack = [value]
+    while stack:  # iterative: a deeply nested body must not exhaust the recursion limit
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ApiError("The request holds a string with an unpaired surrogate escape (e.g. \\ud800); "
+                               "send valid Unicode text.") from error
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _kind(value: Any) -> str:
@@ -155,8 +195,17 @@ def get_seed(body: dict) -> int:
 
 
 def get_session_id(body: dict, request: Request) -> str | None:
-    session = get_str(body, "session_id") or request.headers.get("x-session-id")
-    return session or None
+    """`session_id` (or the X-Session-Id header), checked against the strict id pattern."""
+    session = get_str(body, "session_id")
+    param = "session_id"
+    if not session:
+        session, param = request.headers.get("x-session-id"), "X-Session-Id"
+    if not session:
+        return None
+    try:
+        return check_session_id(session)
+    except ValueError as error:
+        raise ApiError(f"'{param}': {error}", param="session_id") from error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +291,20 @@ def sampling(plan: ChatPlan) -> SamplingParams:
 # From plan to TurnRequest
 # ---------------------------------------------------------------------------------------------
 
+def busy_error(runtime: Runtime) -> ApiError:
+    """429 with Retry-After: a rough wait, one round of the active replies per queued group."""
+    waiting = runtime.waiting
+    retry = 1 + waiting // max(1, runtime.max_active)
+    return ApiError(f"The server is busy: {waiting} requests are queued (limit {runtime.max_queue}, "
+                    f"--max-queue) behind {runtime.max_active} decoding. Retry after {retry} s.", status=429,
+                    type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry)})
+
+
+def check_capacity(runtime: Runtime) -> None:
+    if runtime.full:
+        raise busy_error(runtime)
+
+
 @dataclass
 class Prepared:
     """A plan rendered for the model: the TurnRequest plus how to read the model's output."""
@@ -271,6 +334,22 @@ def grammar_for(plan: ChatPlan) -> str | None:
     return None
 
 
+def checked_grammar(plan: ChatPlan) -> str | None:
+    """`grammar_for(plan)`, compiled once here so a bad schema is a 400 now, not a failed turn later."""
+    grammar = grammar_for(plan)
+    if grammar is None:
+        return None
+    import llguidance
+
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        where = "tools" if plan.tools and plan.tool_choice not in ("auto", "none") else "response_format"
+        reason = problem.strip().splitlines()[0].split(": ", 1)[-1]
+        raise ApiError(f"The JSON schema in '{where}' cannot be used: {reason}. Send a valid JSON schema object.",
+                       param=where)
+    return grammar
+
+
 def plan_cuts(runtime: Runtime, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
               prompt: Sequence[int]) -> list[int]:
     """Prefill cuts at each assistant message's start and this reply's, as the chat renders them."""
@@ -298,7 +377,11 @@ def _instructions(plan: ChatPlan) -> str:
 
 def prepare(runtime: Runtime, plan: ChatPlan, api: str, request: Request,
             default_max_tokens: int | None = None) -> Prepared:
-    """Render, tokenize and size a plan; a prompt that does not fit is a 400 naming the limit."""
+    """Render, tokenize and size a plan; a prompt that does not fit is a 400 naming the limit.
+
+    A full queue is a 429 here, before any streamed response has sent its 200.
+    """
+    check_capacity(runtime)
     params = sampling(plan)
     tools_enabled = bool(plan.tools) and plan.tool_choice != "none" and plan.raw_prompt is None
     internal_stops: list[str] = []
@@ -344,7 +427,7 @@ def prepare(runtime: Runtime, plan: ChatPlan, api: str, request: Request,
             code="context_length_exceeded", param=plan.max_tokens_param)
     config = GenerationConfig(params=params, max_tokens=max_tokens,
                               stop=tuple(dict.fromkeys([*plan.stop, *internal_stops])), draft=plan.draft,
-                              grammar=grammar_for(plan) if plan.raw_prompt is None else None)
+                              grammar=checked_grammar(plan) if plan.raw_prompt is None else None)
     turn_request = TurnRequest(
         prompt=prompt, config=config, api=api, client=request.headers.get("user-agent", ""),
         session_id=plan.session_id, audit=plan.audit, model=plan.model,
@@ -404,6 +487,8 @@ async def drive(runtime: Runtime, prepared: Prepared, request: Request) -> Async
     """
     try:
         turn = runtime.submit(prepared.request)
+    except RuntimeBusy as error:
+        raise busy_error(runtime) from error
     except RuntimeError as error:
         raise ApiError(str(error), status=503, type="server_error") from error
     watcher = asyncio.create_task(_watch_disconnect(request, turn))

@@ -152,6 +152,12 @@ def parse_response_format(value: Any, param: str = "response_format") -> dict[st
         return None
     if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
         raise ApiError(f"'{param}' must be an object with type 'text', 'json_object' or 'json_schema'.", param=param)
+    if value["type"] == "json_schema":
+        inner = value.get("json_schema") or value
+        if not isinstance(inner, dict):
+            raise ApiError(f"'{param}.json_schema' must be an object holding a 'schema'.", param=param)
+        if inner.get("schema") is not None and not isinstance(inner["schema"], dict):
+            raise ApiError(f"'{param}' schema must be a JSON schema object.", param=param)
     return None if value["type"] == "text" else value
 
 

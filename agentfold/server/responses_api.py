@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from agentfold.runtime import TextPiece, ToolCall, ToolSpec
+from agentfold.sessions.ids import session_id_for_key
 
 from .common import (
     SSE_HEADERS,
@@ -161,7 +162,8 @@ async def responses(server, request: Request, body: dict[str, Any]):
     plan.response_format = parse_response_format((text_options or {}).get("format"), "text.format")
     plan.max_tokens = get_int(body, "max_output_tokens", minimum=1)
     plan.max_tokens_param = "max_output_tokens"
-    plan.session_id = plan.session_id or get_str(body, "prompt_cache_key")
+    cache_key = get_str(body, "prompt_cache_key")
+    plan.session_id = plan.session_id or (session_id_for_key(cache_key) if cache_key else None)
     if not plan.messages:
         plan.messages = [{"role": "user", "content": ""}]  # Codex probes with empty input
 

@@ -1,0 +1,151 @@
+"""Row-exact CPU kernels for the torch backend: row j of a k-row call gives a one-row call's bits.
+
+Matmul: torch's CPU GEMM (MKL or OpenBLAS) computes a row with the same arithmetic for every
+height up to a shape-dependent limit (MKL on AVX2: 12 rows when k = 576, 3 when k = 64), then
+switches kernels. `linear` finds that limit once per weight shape by comparing real calls on a
+probe, and cuts wider passes into blocks of at most that many rows: exact at any width, and a
+block still reads the weights once for all of its rows.
+
+Attention: each query row of a small pass attends on its own, through the very call a one-row
+step makes (same shapes, same keys 0..position). Wider passes are prefill chunks, computed in
+batched blocks of query rows: those follow the prefill plan, the same for fresh and resumed prompts.
+
+Row-wise ops (norms, softmax, SiLU): `rows_alike` says when torch's own kernel already gives
+every row a one-row call's arithmetic (reductions over rows shorter than a thread's grain; exp on
+whole vector chunks in one thread). Otherwise (huge rows, odd widths, wide passes of exp, where
+a reduction splits across threads or a row straddles the scalar tail) each row is its own call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+VERSION = 1  # bump when any kernel's arithmetic changes (it is part of snapshot keys)
+PER_ROW_LIMIT = 64  # passes wider than this are prefill chunks: batched, not row-exact
+PREFILL_BLOCK = 256  # query rows per batched attention call (bounds the score matrix)
+PROBE_ROWS = 16  # the widest block `linear` checks for
+GRAIN = 32768  # at::internal::GRAIN_SIZE: tensors with fewer elements run on one thread
+CHUNK = 64  # a multiple of any CPU vector loop's stride (2 x 16 floats on AVX-512)
+_BLOCK_ROWS: dict[tuple, int] = {}
+
+
+def _mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.data_ptr() % 64:  # a GEMM's arithmetic may depend on alignment: give it aligned rows
+        x = x.clone(memory_format=torch.contiguous_format)
+    return torch.mm(x, weight.t())
+
+
+def block_rows(weight: torch.Tensor) -> int:
+    """The widest height up to PROBE_ROWS at which every row of a GEMM with `weight` equals a
+    one-row call (checked on a fixed probe, once per shape, layout, dtype and thread count)."""
+    n, k = weight.shape
+    key = (n, k, weight.dtype, weight.stride(), torch.get_num_threads())
+    if key not in _BLOCK_ROWS:
+        probe = torch.randn(PROBE_ROWS, k, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        single = [_mm(probe[i : i + 1].clone(), weight) for i in range(PROBE_ROWS)]
+        rows = 1
+        for m in range(2, PROBE_ROWS + 1):
+            out = _mm(probe[:m].clone(), weight)
+            if not all(torch.equal(out[i : i + 1], single[i]) for i in range(m)):
+                break
+            rows = m
+        _BLOCK_ROWS[key] = rows
+    return _BLOCK_ROWS[key]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ weight[n, k].T, in blocks no taller than `block_rows(weight)` (row-exact)."""
+    m = x.shape[0]
+    if m == 1 or m > PER_ROW_LIMIT:
+        return _mm(x, weight)
+    step = block_rows(weight)
+    if m <= step:
+        return _mm(x, weight)
+    return torch.cat([_mm(x[i : i + step], weight) for i in range(0, m, step)])
+
+
+def rows_alike(m: int, d: int, transcendental: bool) -> bool:
+    """Whether torch computes each row of an [m, d] tensor as it computes that row alone.
+
+    A reduction along rows shorter than GRAIN runs row by row in the same inner loop (a longer
+    lone row is split across threads). Elementwise exp / tanh also need every element on the
+    same side of the vector-loop / scalar-tail split: whole vector chunks per row, one thread.
+    """
+    if d >= GRAIN:
+        return False
+    return not transcendental or (d % CHUNK == 0 and m * d < GRAIN)
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, transcendental: bool) -> torch.Tensor:
+    """fn(x) for a row-wise fn, each row with the bits of fn on that row alone."""
+    m, d = x.shape
+    if m == 1 or m > PER_ROW_LIMIT or rows_alike(m, d, transcendental):
+        return fn(x)
+    return torch.cat([fn(x[i : i + 1]) for i in range(m)])
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row of x [m, d] over its root mean square (float32 math), times weight [d]."""
+    return rowwise(lambda rows: _rms_norm(rows, weight, eps), x, transcendental=False)  # rsqrt is exact
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return rowwise(F.silu, x, transcendental=True)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return rowwise(torch.sigmoid, x, transcendental=True)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis of x [m, d], in float32."""
+    return rowwise(lambda rows: torch.softmax(rows.float(), dim=-1), x, transcendental=True)
+
+
+def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row q [heads, d] over all of k, v [kv_heads, L, d] (grouped-query attention)."""
+    kv_heads, _, d = k.shape
+    grouped = q.reshape(kv_heads, -1, d)
+    scores = torch.matmul(grouped, k.transpose(1, 2)).float() * scale
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(q.shape)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Causal attention: q [heads, m, d]; row i sees keys 0..q_positions[i] of k, v [kv_heads, L, d]."""
+    m = q.shape[1]
+    positions = q_positions.tolist()
+    if m <= PER_ROW_LIMIT:
+        rows = [attend_row(q[:, i], k[:, : p + 1], v[:, : p + 1], scale) for i, p in enumerate(positions)]
+        return torch.stack(rows, dim=1)
+    blocks = []
+    for first in range(0, m, PREFILL_BLOCK):
+        last = min(first + PREFILL_BLOCK, m)
+        end = max(positions[first:last]) + 1
+        blocks.append(attend_block(q[:, first:last], k[:, :end], v[:, :end], q_positions[first:last], scale))
+    return torch.cat(blocks, dim=1)
+
+
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Query rows q [heads, m, d] over k, v [kv_heads, L, d] with a causal mask, in two matmuls.
+
+    (torch's CPU flash attention with a mask is 3-30x slower than this at prefill sizes.)
+    """
+    heads, m, d = q.shape
+    kv_heads, length, _ = k.shape
+    grouped = q.reshape(kv_heads, (heads // kv_heads) * m, d)  # head h reads kv head h // group
+    scores = (torch.matmul(grouped, k.transpose(1, 2)).float() * scale).view(kv_heads, -1, m, length)
+    hidden = torch.arange(length, device=k.device)[None, :] > q_positions[:, None]
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs.view(kv_heads, -1, length), v).view(heads, m, d)

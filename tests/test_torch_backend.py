@@ -1,0 +1,310 @@
+"""The torch backend: same logits as MLX, drafted == serial, resumed == fresh, clear load errors.
+
+The real SmolLM2-135M (GGUF) runs on CPU through `TorchBackend`; random tiny Llama / Qwen3 /
+Qwen3-MoE / Qwen2-MoE folders (tests/torch_tiny.py) cover the other code paths and are checked
+against mlx-lm's implementations of the same architectures. The decode loop's depth is pinned to
+the widest row-exact pass, so every drafted test really verifies drafts (and asserts some were
+accepted: a broken verify path cannot pass by drafting nothing). CUDA tests need a GPU.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import agentfold  # noqa: F401  (BLAS and OpenMP settings before torch / mlx load)
+
+# isort: split
+import numpy as np
+import pytest
+import torch
+
+from agentfold.cli import main as cli_main
+from agentfold.engine.backend import MLXBackend
+from agentfold.engine.decode import Engine, GenerationConfig
+from agentfold.engine.depth import DepthController
+from agentfold.engine.drafters import DraftModelDrafter, SuffixLookupDrafter
+from agentfold.engine.factory import build_engine
+from agentfold.engine.loader import ModelLoadError, load_model
+from agentfold.engine.sampler import SamplingParams
+from agentfold.engine.torch_backend import TorchBackend
+from agentfold.engine.torch_loader import load_torch_model
+from agentfold.engine.torch_models.qwen3_moe import ReferenceExperts, moe_blocks
+from agentfold.sessions import SessionManager
+
+try:
+    from tests.conftest import chat_ids
+    from tests.torch_tiny import write_folder
+except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
+    from conftest import chat_ids
+    from torch_tiny import write_folder
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.7, seed=2)
+CODE = """def clamp(x, low, high):
+    if x < low:
+        return low
+    if x > high:
+        return high
+    return x
+
+
+def scale(x, factor):
+    return clamp(x * factor, 0, 255)
+"""
+CODE_EDIT = f"Rename the parameter `x` to `value` everywhere in this code and show the whole code.\n\n```python\n{CODE}```"
+ANSWER_START = "```python\ndef clamp(value, low, high):\n"  # the reply's first line, so samples stay on the code
+TINY_PROMPT = "def add(a, b):\n    return a + b\n" * 3 + "def add(a, b):\n    return"
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+class PinnedDepth(DepthController):
+    """Always verify as many drafts as the self-check allows (and the room left)."""
+
+    def depth(self, limit: int | None = None) -> int:
+        return self.max_depth if limit is None else max(0, min(self.max_depth, limit))
+
+
+def pinned(engine: Engine, drafter=None) -> Engine:
+    """The same backend and self-check, a fresh drafter, and a depth that always drafts."""
+    clone = Engine(engine.backend, engine.tokenizer, engine.eos_token_ids, drafter=drafter or SuffixLookupDrafter(),
+                   exactness=engine.exactness)
+    clone.controller = PinnedDepth(max_depth=clone.controller.max_depth)
+    return clone
+
+
+def assert_drafted_equals_serial(engine: Engine, prompt: list[int], params: SamplingParams, max_tokens: int,
+                                 drafter=None) -> int:
+    """Drafted reply == serial reply; returns how many drafts were accepted."""
+    serial = engine.generate(prompt, GenerationConfig(params=params, max_tokens=max_tokens, draft=False))
+    drafted = pinned(engine, drafter).generate(prompt, GenerationConfig(params=params, max_tokens=max_tokens))
+    assert drafted.tokens == serial.tokens and drafted.text == serial.text
+    assert drafted.stats.drafted > 0
+    return drafted.stats.accepted
+
+
+# --- SmolLM2-135M (GGUF) on CPU ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_torch(smollm2_gguf: Path) -> Engine:
+    return build_engine(smollm2_gguf, backend="torch", device="cpu")
+
+
+def test_smollm2_logits_match_mlx(smollm2_gguf, smollm2_torch):
+    mlx = MLXBackend(load_model(smollm2_gguf))
+    prompt = chat_ids(smollm2_torch.tokenizer, "Write a Python function that reverses a string.")
+    ours = smollm2_torch.backend.forward(prompt, smollm2_torch.backend.new_cache())
+    theirs = mlx.forward(prompt, mlx.new_cache())
+    assert ours.shape == theirs.shape == (len(prompt), 49152)
+    assert float(np.abs(ours - theirs).max()) < 1e-3
+    assert np.array_equal(ours.argmax(-1), theirs.argmax(-1))
+    config = GenerationConfig(max_tokens=8, draft=False)
+    mlx_engine = Engine(mlx, smollm2_torch.tokenizer, smollm2_torch.eos_token_ids)
+    assert smollm2_torch.generate(prompt, config).tokens == mlx_engine.generate(prompt, config).tokens
+
+
+def test_smollm2_selfcheck_allows_wide_passes(smollm2_torch):
+    report = smollm2_torch.exactness
+    assert smollm2_torch.backend.name == "torch" and not smollm2_torch.backend.has_recurrent_state
+    assert report.max_width > 1, report.describe()
+    assert all(report.checked[w] for w in range(2, report.max_width + 1))
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "t0.7-seed2"])
+def test_smollm2_code_edit_drafted_equals_serial(smollm2_torch, params):
+    tokenizer = smollm2_torch.tokenizer
+    prompt = chat_ids(tokenizer, CODE_EDIT) + tokenizer.encode(ANSWER_START, add_special_tokens=False)
+    assert assert_drafted_equals_serial(smollm2_torch, prompt, params, max_tokens=40) > 0
+
+
+def test_smollm2_resumed_equals_fresh(smollm2_torch, tmp_path):
+    """Turn 2 restored from turn 1's snapshot (same store, then a new store on the same disk)
+    gives the reply of a fresh manager with an empty home."""
+    engine = smollm2_torch
+    serial = GenerationConfig(max_tokens=8, draft=False)
+    manager = SessionManager(engine, tmp_path / "home")
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    first, info = manager.reply(messages, serial)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now make it subtract."}]
+    with tempfile.TemporaryDirectory() as home:
+        fresh, fresh_info = SessionManager(engine, home).reply(messages, serial)
+    assert fresh_info.cached_tokens == 0
+    resumed, resumed_info = manager.reply(messages, GenerationConfig(max_tokens=8), info.session_id)
+    restarted, restarted_info = SessionManager(engine, tmp_path / "home").reply(messages, serial, info.session_id)
+    assert resumed.tokens == restarted.tokens == fresh.tokens
+    for turn in (resumed_info, restarted_info):
+        assert turn.snapshot_id is not None and turn.cached_tokens > 0
+
+
+# --- tiny random models -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("torch-tiny")
+    folders = {kind: write_folder(root / kind, kind, seed=10 + i)
+               for i, kind in enumerate(("llama", "qwen3", "qwen3_moe", "qwen2_moe"))}
+    folders["llama-draft"] = write_folder(root / "llama-draft", "llama", seed=10, noise=0.05)
+    return folders
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "qwen2_moe"])
+def test_tiny_logits_match_mlx_lm(tiny_folders, kind):
+    """mlx-lm's implementation of the same architecture is an independent reference."""
+    ours = TorchBackend(load_torch_model(tiny_folders[kind], device="cpu"))
+    theirs = MLXBackend(load_model(tiny_folders[kind]))
+    tokens = list(range(40, 100))
+    a, b = ours.forward(tokens, ours.new_cache()), theirs.forward(tokens, theirs.new_cache())
+    assert float(np.abs(a - b).max()) < 1e-4 * float(np.abs(b).max())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "qwen2_moe"])
+def test_tiny_drafted_equals_serial(tiny_folders, kind):
+    engine = build_engine(tiny_folders[kind], backend="torch", device="cpu")
+    assert engine.exactness.max_width > 1, engine.exactness.describe()
+    prompt = engine.tokenizer.encode(TINY_PROMPT)
+    accepted = sum(assert_drafted_equals_serial(engine, prompt, params, max_tokens=40) for params in (GREEDY, SAMPLED))
+    assert accepted > 0
+
+
+def test_tiny_draft_model_drafter(tiny_folders):
+    """A torch draft model (a perturbed copy of the target) drafts; the reply is still serial's."""
+    engine = build_engine(tiny_folders["llama"], backend="torch", device="cpu")
+    prompt = engine.tokenizer.encode(TINY_PROMPT)
+    draft = TorchBackend(load_torch_model(tiny_folders["llama-draft"], device="cpu"))
+    for params in (GREEDY, SAMPLED):
+        assert assert_drafted_equals_serial(engine, prompt, params, 30, DraftModelDrafter(draft)) > 0
+
+
+def test_moe_blocks_expose_swappable_experts(tiny_folders):
+    loaded = load_torch_model(tiny_folders["qwen3_moe"], device="cpu")
+    blocks = moe_blocks(loaded.model)
+    assert [b.layer_index for b in blocks] == [0]  # layer 1 is in mlp_only_layers
+    block = blocks[0]
+    assert isinstance(block.experts, ReferenceExperts) and block.weights.gate_proj.shape == (4, 32, 64)
+    x = torch.randn(5, 64)
+    ids, gates = block.route(x)
+    assert ids.dtype == torch.int64 and gates.dtype == torch.float32 and ids.shape == gates.shape == (5, 2)
+    assert torch.allclose(gates.sum(-1), torch.ones(5))
+    calls = []
+
+    def spy(rows, row_ids, row_gates):  # any callable with the contract's signature can stand in
+        calls.append(rows.shape[0])
+        return ReferenceExperts(block.weights)(rows, row_ids, row_gates)
+
+    backend = TorchBackend(loaded)
+    before = backend.forward([5, 6, 7], backend.new_cache())
+    block.experts = spy
+    after = backend.forward([5, 6, 7], backend.new_cache())
+    assert calls == [3] and np.array_equal(before, after)
+
+
+def test_bfloat16_snapshot_round_trip(tiny_folders):
+    backend = TorchBackend(load_torch_model(tiny_folders["qwen3"], dtype="bfloat16", device="cpu"))
+    cache = backend.new_cache()
+    backend.prefill(list(range(30, 60)), cache)
+    arrays, layout = backend.cache_to_arrays(cache)
+    restored = backend.arrays_to_cache(arrays, layout)
+    assert restored.tokens == cache.tokens
+    for a, b in zip(cache.layers, restored.layers, strict=True):
+        assert a.keys.dtype == b.keys.dtype == torch.bfloat16
+        assert torch.equal(a.read(30)[0], b.read(30)[0]) and torch.equal(a.read(30)[1], b.read(30)[1])
+    assert np.array_equal(backend.forward([61], cache), backend.forward([61], restored))
+
+
+def test_tiny_sessions_resume_on_torch(tiny_folders, tmp_path):
+    engine = build_engine(tiny_folders["qwen3_moe"], backend="torch", device="cpu")
+    engine.tokenizer.chat_template = CHATML
+    config = GenerationConfig(max_tokens=12, draft=False)
+    manager = SessionManager(engine, tmp_path / "home")
+    messages = [{"role": "user", "content": "def add(a, b):\n"}]
+    first, info = manager.reply(messages, config)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "for i in range(10):\n"}]
+    resumed, resumed_info = manager.reply(messages, config, info.session_id)
+    with tempfile.TemporaryDirectory() as home:
+        fresh, _ = SessionManager(engine, home).reply(messages, config)
+    assert resumed.tokens == fresh.tokens and resumed_info.cached_tokens > 0
+    assert manager.key != SessionManager(build_engine(tiny_folders["qwen3_moe"], drafter="none"), tmp_path / "m").key
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def _break(folder: Path, tmp_path: Path, how: str) -> Path:
+    import json
+    import shutil
+
+    bad = tmp_path / how
+    shutil.copytree(folder, bad)
+    config = json.loads((bad / "config.json").read_text())
+    if how == "no-config":
+        (bad / "config.json").unlink()
+    elif how == "model-type":
+        config["model_type"] = "mamba"
+    elif how == "shape":
+        config["intermediate_size"] = 96
+    elif how == "no-weights":
+        (bad / "model.safetensors").unlink()
+    elif how == "missing-tensor":
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(bad / "model.safetensors"))
+        del weights["model.layers.1.mlp.up_proj.weight"]
+        save_file(weights, str(bad / "model.safetensors"))
+    elif how == "not-safetensors":
+        (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    if how != "no-config":
+        (bad / "config.json").write_text(json.dumps(config))
+    return bad
+
+
+@pytest.mark.parametrize("how,message", [
+    ("no-config", "no config.json"), ("model-type", "'mamba' is not supported"), ("shape", "the config says"),
+    ("no-weights", "no *.safetensors"), ("missing-tensor", "missing ['model.layers.1.mlp.up_proj.weight']"),
+    ("not-safetensors", "unreadable safetensors"),
+])
+def test_bad_folders_fail_with_one_line(tiny_folders, tmp_path, how, message):
+    with pytest.raises(ModelLoadError) as error:
+        load_torch_model(_break(tiny_folders["llama"], tmp_path, how), device="cpu")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_cli_errors_are_one_line(tiny_folders, tmp_path, capsys):
+    bad = _break(tiny_folders["llama"], tmp_path, "model-type")
+    assert cli_main(["generate", "--backend", "torch", "--model", str(bad), "hi"]) == 2
+    assert cli_main(["generate", "--backend", "torch", "--model", str(tmp_path / "none.txt"), "hi"]) == 2
+    if not torch.cuda.is_available():
+        assert cli_main(["generate", "--backend", "torch", "--device", "cuda", "hi"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("agentfold: error:")]
+    assert len(lines) == (3 if not torch.cuda.is_available() else 2)
+    assert "'mamba' is not supported" in lines[0]
+    with pytest.raises(ValueError, match="backend must be one of mlx, torch"):
+        build_engine(tiny_folders["llama"], backend="jax")
+
+
+# --- CUDA ---------------------------------------------------------------------------------------
+
+
+@CUDA
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_cuda_matches_cpu_and_is_row_exact(tiny_folders, kind):
+    cpu = TorchBackend(load_torch_model(tiny_folders[kind], device="cpu"))
+    engine = build_engine(tiny_folders[kind], backend="torch", device="cuda", dtype="float32")
+    gpu = engine.backend
+    assert gpu.device.type == "cuda"
+    tokens = list(range(40, 100))
+    a, b = gpu.forward(tokens, gpu.new_cache()), cpu.forward(tokens, cpu.new_cache())
+    assert float(np.abs(a - b).max()) < 1e-3 * float(np.abs(b).max())
+    assert engine.exactness.max_width == 16, engine.exactness.describe()
+    prompt = engine.tokenizer.encode(TINY_PROMPT)
+    assert assert_drafted_equals_serial(engine, prompt, GREEDY, max_tokens=40) > 0
+
+
+@CUDA
+def test_cuda_bfloat16_smollm2(smollm2_gguf):
+    engine = build_engine(smollm2_gguf, backend="torch", device="cuda")
+    assert engine.backend.loaded.dtype == "bfloat16" and engine.exactness.max_width > 1
+    prompt = chat_ids(engine.tokenizer, CODE_EDIT)
+    assert assert_drafted_equals_serial(engine, prompt, GREEDY, max_tokens=64) > 0
