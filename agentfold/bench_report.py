@@ -9,6 +9,7 @@ size, so they can be committed next to the README.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from .bench_summary import context_of, sections
 
 PLOTS = ("tps_by_workload.png", "acceptance_by_position.png", "ttft_vs_context.png", "resumed_vs_cold.png")
 DPI = 80
+MIN_PROPOSED = 5  # acceptance plot: positions with fewer drafts than this are noise
 FIGSIZE = (8, 4.2)
 
 
@@ -42,6 +44,22 @@ def _table(head: Sequence[str], rows: list[Sequence[Any]]) -> list[str]:
 # -- markdown -----------------------------------------------------------------------------------
 
 
+def short_name(name: str) -> str:
+    """A model name without the conversion cache's suffix (`-float32-<size>-<mtime>`)."""
+    return re.sub(r"-(float32|bfloat16|float16|keep)-\d+-\d+$", "", name)
+
+
+def _short_models(value: Any) -> Any:
+    """`value` with every model name shortened (tables and plots only; the JSON keeps full names)."""
+    if isinstance(value, dict):
+        return {(short_name(k) if isinstance(k, str) else k): _short_models(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_short_models(v) for v in value]
+    if isinstance(value, str):
+        return short_name(value)
+    return value
+
+
 def markdown(result: dict[str, Any], s: dict[str, Any], plot_names: Sequence[str] = PLOTS) -> str:
     """The summary: run context, then one table per section, then what was skipped and why."""
     run = context_of(result)
@@ -52,18 +70,20 @@ def markdown(result: dict[str, Any], s: dict[str, Any], plot_names: Sequence[str
              f"- Versions: {run['versions']}; BLAS: {run['blas']}"]
     for role, m in result["models"].items():
         if m:
-            lines.append(f"- Model ({role}): {m['name']} ({m['model_type']}, {m['dtype']}, {m['parameters']:,} "
+            lines.append(f"- Model ({role}): {short_name(m['name'])} ({m['model_type']}, {m['dtype']}, {m['parameters']:,} "
                          f"parameters, {m['bytes'] / 1e6:.0f} MB of weights, context {m['context_length']})")
     roof = result["roofline"]
     lines.append(f"- Roofline: copy bandwidth {roof['bandwidth_gbs']} GB/s over the weight bytes = "
-                 + ", ".join(f"{n}: {r['tps']:.1f} tok/s" for n, r in roof["models"].items()))
+                 + ", ".join(f"{short_name(n)}: {r['tps']:.1f} tok/s" for n, r in roof["models"].items()))
     lines += [f"- Sampling: {result['sampling']}", "", "## Decode rate by workload and engine", "",
               "Same prompt ids for every engine (the server's, from its telemetry), greedy; the torch engines "
               "decode fewer tokens (about 1 tok/s here) and are compared with the start of the serial reply. "
               "tok/s counts the tokens after the first verify pass over the time after it.", ""]
-    lines += _table(["workload", "prompt", "tokens", "engine", "tok/s", "of roofline", "same tokens as serial"],
+    lines += _table(["workload", "prompt", "tokens", "engine", "tok/s", "of roofline", "same tokens as serial",
+                     "load (1 min)"],
                     [(e["workload"], e["prompt_tokens"], e["max_tokens"], e["engine"], e["tps"],
-                      _pct(e["roofline_fraction"]), e.get("identical_to_serial")) for e in s["engines"]])
+                      _pct(e["roofline_fraction"]), e.get("note") or e.get("identical_to_serial"), e.get("load_1m"))
+                     for e in s["engines"]])
     lines += ["## Time to first token against context", "",
               "First turn of each session: nothing cached, the whole prompt is prefilled. Measured on the "
               "client, except for tool calls (they stream whole once complete): there the server's figure.", ""]
@@ -157,6 +177,7 @@ def plot_tps(s: dict[str, Any], result: dict[str, Any], path: Path) -> Path:
         ax.bar([i + j * width for i in range(len(workloads))], values, width, label=engine)
     main = result["models"]["main"]["name"]
     roof = result["roofline"]["models"].get(main, {}).get("tps")
+    main = short_name(main)
     if roof:
         ax.axhline(roof, color="k", linestyle="--", linewidth=1, label=f"roofline {roof:.0f} tok/s")
     ax.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(workloads))], workloads)
@@ -169,14 +190,15 @@ def plot_tps(s: dict[str, Any], result: dict[str, Any], path: Path) -> Path:
 def plot_acceptance(s: dict[str, Any], path: Path) -> Path:
     fig, ax = _figure()
     for r in s["drafting"]:
-        values = r["acceptance_by_position"]
-        if values:
-            ax.plot(range(1, len(values) + 1), [v or 0 for v in values], marker="o",
-                    label=f"{r['workload']} @{r['context']} ({r['model'][:18]})")
+        keep = [(i + 1, a) for i, (a, p) in enumerate(zip(r["acceptance_by_position"], r["proposed_per_position"],
+                                                          strict=False)) if p >= MIN_PROPOSED]
+        if r["drafted"] >= 4 * MIN_PROPOSED and keep:
+            ax.plot([k[0] for k in keep], [k[1] or 0 for k in keep], marker="o",
+                    label=f"{r['workload']} @{r['context']} ({r['model'][:18]}, {r['drafted']} drafts)")
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / proposed")
     ax.set_ylim(0, 1.05)
-    ax.set_title("Draft acceptance by position")
+    ax.set_title(f"Draft acceptance by position (positions with at least {MIN_PROPOSED} drafts)")
     ax.legend(fontsize=7)
     return _save(fig, path)
 
@@ -220,7 +242,7 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Write report.md and the four plots into `out_dir`; return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    s = sections(result)
+    s = _short_models(sections(result))
     written = [plot_tps(s, result, out / PLOTS[0]), plot_acceptance(s, out / PLOTS[1]), plot_ttft(s, out / PLOTS[2]),
                plot_resume(s, out / PLOTS[3])]
     report = out / "report.md"

@@ -13,9 +13,10 @@ prompt. This module runs it all in one go:
 2. A second server with an empty home answers the resumed turns cold.
 3. Contexts longer than the main model's window (16K for SmolLM2) run on a long-context model
    (Gemma 3 270M) in a third server, or are recorded as skipped with the reason.
-4. Baselines decode the exact prompt ids the server saw (read back from its telemetry): stock
-   mlx-lm, transformers on torch CPU, AgentFold's torch backend when present; the roofline is the
-   weights' bytes over the measured copy bandwidth.
+4. Baselines decode the exact prompt ids the server saw (read back from its telemetry), right
+   after each workload's session while the server idles: stock mlx-lm, transformers on torch CPU,
+   AgentFold's torch backend when present; the roofline is the weights' bytes over the measured
+   copy bandwidth.
 
 Speed is reported, never asserted; the equality flags are the part that must hold.
 """
@@ -31,7 +32,8 @@ from typing import Any
 
 import agentfold  # noqa: F401  (fast BLAS before mlx)
 
-from .bench import copy_bandwidth, finish_run, machine_info, model_bytes, model_record, run_header
+from .bench import _loadavg, copy_bandwidth, finish_run, machine_info, model_bytes, model_record, run_header
+from .bench_baselines import SPECULATIVE_SKIPPED, Baselines
 from .bench_server import BenchError, ServerProcess, assistant_message, client_for, dump_reply, stream_chat
 from .bench_workloads import KINDS, build_sessions, describe
 
@@ -41,8 +43,6 @@ QUICK_CONTEXTS = (1024,)
 SESSION_ROOM = 1536  # tokens a session needs after its first prompt: replies, the pasted tool result
 BASELINE_TURNS = {"agent-edit": 2, "agent-tool": 2, "fresh-code": 1, "prose": 1}  # the turn each baseline decodes
 QUICK_BASELINES = ("agent-edit",)
-TORCH_BASELINES = ("agent-edit",)  # torch on CPU decodes at about 1 tok/s here: the headline code turn only
-TORCH_MAX_TOKENS = (32, 8)  # (full, quick) tokens the torch engines decode (compared with the serial reply's start)
 QUICK_COLD = ("agent-edit",)
 LONG_KINDS = ("agent-edit",)  # a 16K prefill takes minutes on two cores: one session kind at long contexts
 WARMUP = [{"role": "user", "content": "Say hello in one short sentence."}]
@@ -85,7 +85,6 @@ class SessionRunner:
         self.say = say
         self.rows: list[dict[str, Any]] = []
         self.history: dict[tuple[str, int, int], list[dict[str, Any]]] = {}  # requests, for the cold replay
-        self.inputs: dict[str, dict[str, Any]] = {}  # turn_id -> prompt and reply ids (from telemetry)
 
     def warm_up(self) -> None:
         for draft in (True, False):
@@ -138,14 +137,26 @@ class SessionRunner:
             "text_head": reply["content"][:160],
             "tool_calls": [{"name": c["name"], "arguments": c["arguments"][:200]} for c in reply["tool_calls"]],
             "client": {k: reply[k] for k in ("ttft_s", "total_s", "chunks", "chunk_gaps_ms")},
+            "loadavg": _loadavg(),  # other work on the machine while this was measured
             "server": {**{k: v for k, v in block.items() if k != "exactness"}, "timings": reply["timings"]},
             "_reply": reply,
         }
         self.rows.append(row)
         return row
 
+    def inputs(self, turn_id: str, timeout: float = 60.0) -> dict[str, Any] | None:
+        """A finished turn's prompt and reply ids, read from the running server's telemetry (the writer
+        thread commits a turn moments after its last chunk, so this waits for it a little)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stored = self.server.telemetry([turn_id]).get(turn_id)
+            if stored and (stored.get("inputs") or {}).get("prompt"):
+                return stored["inputs"]
+            time.sleep(0.2)
+        return None
+
     def finish(self) -> None:
-        """Fold the stopped server's telemetry rows into the request rows; keep prompt / reply ids aside."""
+        """Fold the stopped server's telemetry rows into the request rows."""
         stored = self.server.telemetry([r["turn_id"] for r in self.rows if r["turn_id"]])
         for row in self.rows:
             row.pop("_reply", None)
@@ -154,10 +165,6 @@ class SessionRunner:
                 row["server"]["telemetry"] = "missing"
                 continue
             row["server"].update({k: got.get(k) for k in TELEMETRY_KEYS})
-            inputs = got.get("inputs") or {}
-            self.inputs[row["turn_id"]] = {"prompt": inputs.get("prompt") or [], "reply": inputs.get("reply") or [],
-                                           "max_tokens": inputs.get("max_tokens"),
-                                           "constrained": bool(inputs.get("grammar"))}
 
 
 def _serve(path: Path | str, dtype: str, role: str, model_bytes_: int, say: Callable[[str], None],
@@ -190,7 +197,7 @@ class Suite:
         self.seed, self.quick, self.dtype, self.say = seed, quick, dtype, say
         self.requests: list[dict[str, Any]] = []
         self.servers: list[dict[str, Any]] = []
-        self.inputs: dict[str, dict[str, Any]] = {}
+        self.jobs: dict[str, dict[str, Any]] = {}  # workload -> the baseline turn (without its ids)
         self.workloads: dict[str, Any] = {}
         self.sessions: dict[tuple[str, str, int], dict[str, Any]] = {}  # (model, kind, context) -> session
         self.skipped: list[dict[str, str]] = []
@@ -219,17 +226,39 @@ class Suite:
         runner, record = _serve(path, self.dtype, role, model["bytes"], self.say, run)
         self.requests += runner.rows
         self.servers.append(record)
-        self.inputs.update(runner.inputs)
         return runner
 
-    def run_main(self, path: Path, model: dict[str, Any], tokenizer: Any, contexts: Sequence[int]) -> SessionRunner:
-        """Every session at every context the main model holds, each turn drafted and serial."""
+    def run_main(self, path: Path, model: dict[str, Any], tokenizer: Any, contexts: Sequence[int],
+                 baselines: Baselines) -> SessionRunner:
+        """Every session at every context the main model holds, each turn drafted and serial; at the
+        smallest context, each workload's baselines right after it (the server idle meanwhile)."""
         def work(runner: SessionRunner) -> None:
             for context in contexts:
                 for session in self.build(model, tokenizer, context, self.quick or context != contexts[0]):
                     runner.run(session)
+                    if context == contexts[0] and (session["name"] in QUICK_BASELINES or not self.quick):
+                        self.run_baselines(runner, session, baselines)
 
         return self.serve(path, model, "main", work)
+
+    def run_baselines(self, runner: SessionRunner, session: dict[str, Any], baselines: Baselines) -> None:
+        """The baselines on the exact prompt ids of the session's baseline turn (its serial request)."""
+        from .engine.decode import token_sha
+
+        kind = session["name"]
+        turn = min(BASELINE_TURNS[kind], len(session["turns"]))
+        row = next(r for r in runner.rows if r["workload"] == kind and r["context"] == session["context"]
+                   and r["turn"] == turn and r["mode"] == "serial")
+        got = runner.inputs(row["turn_id"])
+        if got is None:
+            self.skip(f"baselines on {kind}", "the server's telemetry never showed its serial turn's prompt")
+            return
+        job = {"model": row["model"], "context": row["context"], "turn": turn, "prompt": got["prompt"],
+               "reply": got.get("reply") or [], "max_tokens": got["max_tokens"], "prompt_tokens": len(got["prompt"]),
+               "reply_sha": token_sha(got.get("reply") or []), "prompt_sha256": token_sha(got["prompt"]),
+               "constrained": bool(got.get("grammar"))}
+        baselines.run(kind, job)
+        self.jobs[kind] = {k: v for k, v in job.items() if k not in ("prompt", "reply")}
 
     def run_cold(self, path: Path, model: dict[str, Any], main: SessionRunner, contexts: Sequence[int]) -> None:
         """The resumed turns again, on a server with an empty home."""
@@ -291,67 +320,6 @@ class Suite:
         self.serve(path, model, "long", work)
         return model
 
-    def baseline_jobs(self, model: dict[str, Any], context: int) -> dict[str, dict[str, Any]]:
-        """The prompt and reply ids of each workload's baseline turn (its serial request), from telemetry."""
-        from .engine.decode import token_sha
-
-        jobs = {}
-        for kind in (QUICK_BASELINES if self.quick else KINDS):
-            row = next((r for r in self.requests if r["model"] == model["name"] and r["mode"] == "serial"
-                        and r["workload"] == kind and r["context"] == context
-                        and r["turn"] == min(BASELINE_TURNS[kind], len(self.sessions[(model["name"], kind, context)]
-                                                                          ["turns"]))), None)
-            got = self.inputs.get(row["turn_id"]) if row else None
-            if not got or not got["prompt"]:
-                self.skip(f"baselines on {kind}", "its serial turn left no stored prompt")
-                continue
-            jobs[kind] = {"model": model["name"], "context": context, "turn": row["turn"],
-                          "prompt": got["prompt"], "reply": got["reply"], "max_tokens": got["max_tokens"],
-                          "prompt_tokens": len(got["prompt"]), "reply_sha": token_sha(got["reply"]),
-                          "prompt_sha256": token_sha(got["prompt"]), "constrained": got["constrained"]}
-        if self.quick:
-            self.skip("baselines on " + ", ".join(k for k in KINDS if k not in QUICK_BASELINES),
-                      "--quick runs the baselines on agent-edit's code turn only")
-        return jobs
-
-    def run_baselines(self, path: Path, loaded: Any, jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """mlx-lm, transformers and the torch backend on the baseline prompts; skipped ones say why."""
-        from .bench_baselines import (
-            converted_folder,
-            mlx_lm_rows,
-            mlx_lm_speculative_row,
-            safe,
-            torch_backend_rows,
-            transformers_rows,
-        )
-        from .engine.decode import token_sha
-
-        say, eos = self.say, set(loaded.eos_token_ids)
-        cap = TORCH_MAX_TOKENS[1 if self.quick else 0]
-        torch_jobs = {k: {**j, "max_tokens": min(cap, j["max_tokens"]), "reply": j["reply"][:cap],
-                          "reply_sha": token_sha(j["reply"][:cap])} for k, j in jobs.items() if k in TORCH_BASELINES}
-        if len(torch_jobs) < len(jobs) and not self.quick:
-            self.skip("torch baselines on " + ", ".join(k for k in jobs if k not in torch_jobs),
-                      "torch on this CPU decodes at about 1 tok/s: transformers and the torch backend run on "
-                      f"agent-edit's code turn only, {cap} tokens")
-        baselines: dict[str, Any] = {
-            "mlx_lm": safe("mlx_lm", lambda: mlx_lm_rows(loaded.model, loaded.tokenizer, jobs, say), say),
-            "mlx_lm_speculative": mlx_lm_speculative_row(None),
-        }
-        if self.quick:
-            reason = "--quick: a 1K-token prefill on torch CPU takes tens of seconds here; the full run measures it"
-            baselines["transformers"] = {"skipped": reason}
-            baselines["torch_backend"] = {"skipped": reason}
-        else:
-            baselines["transformers"] = safe("transformers", lambda: transformers_rows(
-                path if path.is_dir() else converted_folder(path), torch_jobs, eos, say), say)
-            baselines["torch_backend"] = safe("torch backend", lambda: torch_backend_rows(
-                path, torch_jobs, eos, self.dtype, say), say)
-        for key, value in baselines.items():
-            if isinstance(value, dict) and "skipped" in value:
-                self.skip(f"baseline {key}", value["skipped"])
-        return baselines
-
 
 def bench_all(model: str | None = None, out: str | Path = "bench-results/suite.json", quick: bool = False,
               report_dir: str | Path | None = None, contexts: Sequence[int] | None = None,
@@ -381,13 +349,21 @@ def bench_all(model: str | None = None, out: str | Path = "bench-results/suite.j
     say("measuring copy bandwidth")
     bandwidth = copy_bandwidth(megabytes=128 if quick else 256, repeats=2 if quick else 4)
 
-    runner = suite.run_main(main_path, main, loaded.tokenizer, fits)
+    baselines = Baselines(main_path, loaded, dtype, quick, say)
+    try:
+        runner = suite.run_main(main_path, main, loaded.tokenizer, fits, baselines)
+    finally:
+        baselines.close()
+    if quick:
+        suite.skip("baselines on " + ", ".join(k for k in KINDS if k not in QUICK_BASELINES),
+                   "--quick runs the baselines on agent-edit's code turn only")
+    for key, reason in baselines.skipped.items():
+        suite.skip(f"baseline {key}", reason)
+    suite.skip("baseline mlx_lm_speculative", SPECULATIVE_SKIPPED)
     suite.run_cold(main_path, main, runner, fits)
     long = suite.run_long(long_model, main, beyond, fits) if beyond else None
     if quick and not beyond:
         suite.skip("4K and 16K contexts", "--quick measures the 1K context only")
-    jobs = suite.baseline_jobs(main, fits[0])
-    baselines = suite.run_baselines(main_path, loaded, jobs) if jobs else {}
 
     models = {"main": main, "long": long}
     result.update({
@@ -400,8 +376,8 @@ def bench_all(model: str | None = None, out: str | Path = "bench-results/suite.j
         "workloads": suite.workloads,
         "servers": suite.servers,
         "requests": suite.requests,
-        "baseline_jobs": {k: {x: v for x, v in j.items() if x not in ("prompt", "reply")} for k, j in jobs.items()},
-        "baselines": baselines,
+        "baseline_jobs": suite.jobs,
+        "baselines": baselines.result(),
         "skipped": suite.skipped,
         "method": METHOD,
     })

@@ -176,29 +176,33 @@ def engines_section(requests: list[dict[str, Any]], baselines: dict[str, Any], j
     out = []
 
     def add(workload: str, engine: str, tps: float | None, job: dict[str, Any], max_tokens: int | None = None,
-            **extra: Any) -> None:
+            loadavg: list[float] | None = None, **extra: Any) -> None:
         out.append({"workload": workload, "engine": engine, "tps": tps, "roofline_fraction": _ratio(tps, roofline_tps),
                     "prompt_tokens": job["prompt_tokens"], "max_tokens": max_tokens or job["max_tokens"],
-                    "turn": job["turn"], "context": job["context"], "model": job["model"], **extra})
+                    "turn": job["turn"], "context": job["context"], "model": job["model"],
+                    "load_1m": loadavg[0] if loadavg else None, **extra})
 
     for workload, job in jobs.items():
         for mode, engine in (("drafted", "agentfold drafted (HTTP)"), ("serial", "agentfold serial (HTTP)")):
             row = by_turn.get((job["model"], workload, job["context"], job["turn"], mode))
             if row is not None:
-                add(workload, engine, row["server"].get("decode_tps"), job,
+                add(workload, engine, row["server"].get("decode_tps"), job, loadavg=row.get("loadavg"),
                     completion_tokens=row["completion_tokens"], identical_to_serial=True if mode == "serial" else
                     row["server"].get("token_sha") == job["reply_sha"])
         for key, engine in (("mlx_lm", "mlx_lm.generate"), ("transformers", "transformers generate (torch CPU)")):
             got = (baselines.get(key) or {}).get(workload)
             if got:
-                add(workload, engine, got.get("steady_tps"), job, got.get("max_tokens"),
-                    completion_tokens=got.get("completion_tokens"), identical_to_serial=got.get("identical_to_serial"))
+                free = job.get("constrained")  # the server decoded under the tool-call grammar, this engine did not
+                add(workload, engine, got.get("steady_tps"), job, got.get("max_tokens"), got.get("loadavg"),
+                    completion_tokens=got.get("completion_tokens"),
+                    identical_to_serial=None if free else got.get("identical_to_serial"),
+                    note="no grammar (the server's reply is a grammar-constrained tool call)" if free else None)
         torch_rows = (baselines.get("torch_backend") or {}).get(workload)
         if torch_rows:
             for mode in ("serial", "drafted"):
                 got = torch_rows[mode]
                 add(workload, f"agentfold torch backend {mode}", got.get("steady_tps"), job, torch_rows.get("max_tokens"),
-                    completion_tokens=got.get("completion_tokens"),
+                    torch_rows.get("loadavg"), completion_tokens=got.get("completion_tokens"),
                     identical_to_serial=got.get("token_sha") == torch_rows["serial"].get("token_sha"))
     return out
 
