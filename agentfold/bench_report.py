@@ -77,7 +77,7 @@ def markdown(result: dict[str, Any], s: dict[str, Any], plot_names: Sequence[str
                  + ", ".join(f"{short_name(n)}: {r['tps']:.1f} tok/s" for n, r in roof["models"].items()))
     lines += [f"- Sampling: {result['sampling']}", "", "## Decode rate by workload and engine", "",
               "Same prompt ids for every engine (the server's, from its telemetry), greedy; the torch engines "
-              "decode fewer tokens (about 1 tok/s here) and are compared with the start of the serial reply. "
+              "decode fewer tokens (to keep the run short) and are compared with the start of the serial reply. "
               "tok/s counts the tokens after the first verify pass over the time after it.", ""]
     lines += _table(["workload", "prompt", "tokens", "engine", "tok/s", "of roofline", "same tokens as serial",
                      "load (1 min)"],
