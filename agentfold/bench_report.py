@@ -76,9 +76,9 @@ def markdown(result: dict[str, Any], s: dict[str, Any], plot_names: Sequence[str
     lines.append(f"- Roofline: copy bandwidth {roof['bandwidth_gbs']} GB/s over the weight bytes = "
                  + ", ".join(f"{short_name(n)}: {r['tps']:.1f} tok/s" for n, r in roof["models"].items()))
     lines += [f"- Sampling: {result['sampling']}", "", "## Decode rate by workload and engine", "",
-              "Same prompt ids for every engine (the server's, from its telemetry), greedy; the torch engines "
-              "decode fewer tokens (to keep the run short) and are compared with the start of the serial reply. "
-              "tok/s counts the tokens after the first verify pass over the time after it.", ""]
+              "Same prompt ids (the server's, read back from its telemetry) and token budget for every engine, "
+              "greedy; each workload's baselines run right after the server answered it. tok/s counts the tokens "
+              "after the first verify pass over the time after it; the last column is the machine's load then.", ""]
     lines += _table(["workload", "prompt", "tokens", "engine", "tok/s", "of roofline", "same tokens as serial",
                      "load (1 min)"],
                     [(e["workload"], e["prompt_tokens"], e["max_tokens"], e["engine"], e["tps"],
