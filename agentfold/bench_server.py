@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,18 +22,14 @@ from typing import Any
 
 import httpx
 
+from .server.process import free_port
+
 START_TIMEOUT_S = 600  # loading and self-checking a model on a busy 2-core machine
 REQUEST_TIMEOUT_S = 3600  # a 16K-token prefill on two cores takes minutes
 
 
 class BenchError(RuntimeError):
     """A bench step failed; the message says which and why."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def proc_status(pid: int) -> dict[str, int]:
