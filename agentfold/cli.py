@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 import agentfold  # noqa: F401  (sets up the fast BLAS before mlx is imported)
+from agentfold.cli_args import add_backend_args
 
 
 def _progress(message: str) -> None:
@@ -24,10 +25,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="mlx", choices=["mlx", "torch"],
-                        help="mlx (default) or torch (PyTorch, CPU or CUDA: pip install 'agentfold[torch]')")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="torch backend device (auto: cuda if visible)")
+    add_backend_args(parser)
     parser.set_defaults(dtype=None)  # float32; bfloat16 for torch on CUDA
 
 
@@ -62,10 +60,20 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     decode = bench_sub.add_parser("decode", help="serial vs drafted vs mlx_lm on code edit, fresh code, prose")
     _add_model_args(decode)
+    _add_backend_args(decode)
     decode.add_argument("--draft-model")
     decode.add_argument("--max-tokens", type=int, default=128)
     decode.add_argument("--quick", action="store_true")
+    decode.add_argument("--no-quality", action="store_true", help="skip the float32-vs-int8 quality report")
     decode.add_argument("--out", required=True, help="JSON file to write")
+    quality = bench_sub.add_parser("quality", help="perplexity of float32 vs int8 weights on a fixed text, per backend")
+    _add_model_args(quality)
+    quality.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"],
+                         help="auto (default): every backend that runs here; or just mlx or torch")
+    quality.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                         help="torch backend device (auto: cuda if visible)")
+    quality.add_argument("--tokens", type=int, default=1024, help="tokens of the fixed stdlib text to score")
+    quality.add_argument("--out", required=True, help="JSON file to write")
     sessions = bench_sub.add_parser("sessions", help="resumed-after-restart vs cold time to first token, snapshot I/O")
     _add_model_args(sessions)
     sessions.add_argument("--contexts", default="2048,8192", help="context sizes in tokens, comma-separated")
@@ -102,7 +110,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .engine.decode import GenerationConfig
     from .engine.factory import build_engine
     from .engine.sampler import SamplingParams
-    from .models import resolve
+    from .models import resolve, verdict_file
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -110,8 +118,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     config = GenerationConfig(params=params, max_tokens=args.max_tokens, stop=tuple(args.stop),
                               draft=not args.no_draft)
     drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
-    engine = build_engine(resolve(args.model), dtype=args.dtype, drafter=drafter,
-                          draft_model=args.draft_model, progress=_progress, backend=args.backend, device=args.device)
+    engine = build_engine(resolve(args.model), dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
+                          progress=_progress, backend=args.backend, device=args.device, quant=args.quant,
+                          verdicts=verdict_file())
     tokenizer = engine.tokenizer
     if args.raw or not tokenizer.chat_template:
         ids = tokenizer.encode(prompt)
@@ -185,8 +194,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(str(error)) from error
         _progress(f"wrote {args.out}: {json.dumps(result.get('summary', {}))}")
         return 0
+    if args.bench == "quality":
+        from .bench_quality import bench_quality, summary_line
+
+        result = bench_quality(args.model, args.out, backend=args.backend, dtype=args.dtype, device=args.device,
+                               tokens=args.tokens, progress=_progress)
+        _progress(f"wrote {args.out}: {summary_line(result['quality'])}")
+        return 0
+    from .models import verdict_file
+
     result = bench_decode(args.model, args.out, draft_model=args.draft_model, max_tokens=args.max_tokens,
-                          dtype=args.dtype, quick=args.quick, progress=_progress)
+                          dtype=args.dtype, quick=args.quick, progress=_progress, backend=args.backend,
+                          quant=args.quant, device=args.device, verdicts=verdict_file(),
+                          quality=not args.no_quality)
     _progress(f"wrote {args.out}")
     for name, row in result.get("workloads", {}).items():
         _progress(f"{name}: " + ", ".join(f"{k}={v}" for k, v in row.items() if isinstance(v, (int, float, bool))))

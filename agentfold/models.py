@@ -56,3 +56,8 @@ def resolve(model: str | None) -> Path:
     if not path.exists():
         raise ModelNotFound(f"{model}: no such file or folder (models are never downloaded)")
     return path
+
+
+def verdict_file() -> Path:
+    """Where `--backend auto` remembers which backend won on this machine, per model."""
+    return cache_dir().parent / "backends.json"

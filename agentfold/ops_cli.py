@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -39,12 +38,9 @@ def _say(message: str) -> None:
     print(f"[agentfold] {message}", file=sys.stderr, flush=True)
 
 
-def default_home() -> Path:
-    """The runtime's home (same rule as agentfold.sessions.store.default_home, without importing MLX)."""
-    return Path(os.environ.get("AGENTFOLD_HOME") or "~/.local/share/agentfold").expanduser()
-
-
 def _home(args: argparse.Namespace) -> Path:
+    from agentfold.sessions.index import default_home  # SQLite only: no MLX, no engine
+
     return Path(args.home).expanduser() if getattr(args, "home", None) else default_home()
 
 

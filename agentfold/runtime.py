@@ -535,7 +535,7 @@ def template_knows_tools(tokenizer) -> bool:
 
 
 def render_chat(tokenizer, messages: Sequence[dict[str, Any]], tools: Sequence[ToolSpec | dict] | None = None,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, trailing: str | None = None) -> str:
     """The prompt text for `messages` (OpenAI chat shape) with the tokenizer's chat template.
 
     Messages: `{"role": system|user|assistant|tool, "content": str | None, "tool_calls":
@@ -544,7 +544,14 @@ def render_chat(tokenizer, messages: Sequence[dict[str, Any]], tools: Sequence[T
     messages, so the tools are described in the system prompt, assistant calls are written as
     `<tool_call>` blocks and tool results become `<tool_response>` text in a user turn; same-role
     neighbours are merged so strictly alternating templates accept the result.
+
+    `trailing`: a server-side instruction (forced tool call, JSON output) rendered as its own user
+    turn after the conversation, never merged into it, so the conversation's rendering stays a
+    prefix of this prompt and the next turn (whose history lacks the instruction) reuses its cache.
+    Where a template cannot keep it apart, the instruction is merged into the last user turn.
     """
+    if trailing:
+        return _render_with_trailing(tokenizer, messages, tools, add_generation_prompt, trailing)
     specs = [t if isinstance(t, ToolSpec) else _spec_from_dict(t) for t in (tools or [])]
     has_tool_traffic = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     if not getattr(tokenizer, "chat_template", None):
@@ -558,6 +565,30 @@ def render_chat(tokenizer, messages: Sequence[dict[str, Any]], tools: Sequence[T
             log.info("chat template rejected native tools (%s); describing them in the system prompt", error)
     flat = _flatten(messages, specs) if (specs or has_tool_traffic) else _merge([_simple(m) for m in messages])
     return tokenizer.apply_chat_template(flat, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+_SEPARATOR = "\u2063agentfold-separator\u2063"  # an assistant turn that keeps two user turns apart
+
+
+def _render_with_trailing(tokenizer, messages: Sequence[dict[str, Any]], tools: Sequence[ToolSpec | dict] | None,
+                          add_generation_prompt: bool, trailing: str) -> str:
+    """The conversation's own rendering, then `trailing` as a user turn of its own.
+
+    The instruction turn's text is cut from a rendering where a placeholder assistant turn keeps
+    it apart from the last user turn; it is used only if every rendering involved is a prefix of
+    the next (per-message templates: ChatML, Llama, Gemma, ...).
+    """
+    extra = {"role": "user", "content": trailing}
+    spacer = {"role": "assistant", "content": _SEPARATOR}
+    try:
+        history = render_chat(tokenizer, messages, tools, add_generation_prompt=False)
+        head = render_chat(tokenizer, [*messages, spacer], tools, add_generation_prompt=False)
+        text = render_chat(tokenizer, [*messages, spacer, extra], tools, add_generation_prompt)
+        if head.startswith(history) and text.startswith(head) and _SEPARATOR not in text[len(head):]:
+            return history + text[len(head):]
+    except Exception as error:  # noqa: BLE001  (a template with its own rules: merge below)
+        log.info("chat template cannot render a separate instruction turn (%s); merging it", error)
+    return render_chat(tokenizer, [*messages, extra], tools, add_generation_prompt)
 
 
 def _spec_from_dict(tool: dict[str, Any]) -> ToolSpec:

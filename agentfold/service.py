@@ -31,7 +31,7 @@ from agentfold.engine.sampler import SamplingParams
 from agentfold.metrics import Metrics
 from agentfold.runtime import Runtime, Turn, TurnRequest
 from agentfold.sessions import SessionManager
-from agentfold.sessions.store import default_home
+from agentfold.sessions.index import default_home
 from agentfold.telemetry import TelemetryStore, TurnRecord
 
 log = logging.getLogger(__name__)

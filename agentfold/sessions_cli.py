@@ -1,15 +1,13 @@
 """`agentfold sessions`: list, inspect, fork, pin and delete stored sessions without a model.
 
 These commands only touch the session home's SQLite index (`index.db`) and its snapshot files,
-so they must start in a blink and never load weights. `agentfold.sessions` cannot be imported
-for that: its store imports MLX and mlx-lm (seconds of start-up), and `SessionManager` needs an
-engine for its snapshot key. `SessionIndex` below therefore works on the same tables with the
-standard library alone, and mirrors `SessionManager.fork` / `pin` / `delete` / `list_sessions`
-statement for statement (tests/test_sessions_cli.py checks it against them on the same home).
-It is safe next to a running server: the index is in WAL mode, writes are short transactions,
-and a server that finds a snapshot file gone drops it and prefills instead.
+through `agentfold.sessions.index.SessionIndex`: the same class the server's `SessionManager`
+uses, which imports no MLX, mlx-lm or engine code, so they start in a blink and never load
+weights. It is safe next to a running server: the index is in WAL mode, writes are short
+transactions, and a server that finds a snapshot file gone drops it and prefills instead.
 
-A missing home or index is an empty one: nothing here creates files just by looking.
+A missing home or index is an empty one: nothing here creates files just by looking. The index
+module is imported when a command runs, not when `agentfold` builds its parser.
 """
 
 from __future__ import annotations
@@ -20,151 +18,11 @@ import os
 import sqlite3
 import sys
 import time
-import uuid
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-
-class SessionsError(Exception):
-    """A user-fixable problem (unknown id, no such turn); reported as one line, exit status 1."""
-
-
-def default_home() -> Path:
-    """The sessions home the runtime uses (the same rule as `agentfold.sessions.store.default_home`)."""
-    return Path(os.environ.get("AGENTFOLD_HOME") or "~/.local/share/agentfold").expanduser()
-
-
-class SessionIndex:
-    """The index half of `SessionManager`, on SQLite only (no MLX, no engine)."""
-
-    def __init__(self, home: str | Path | None = None) -> None:
-        self.home = Path(home).expanduser() if home is not None else default_home()
-        self.db_path = self.home / "index.db"
-        self.dir = self.home / "snapshots"
-        self._conn: sqlite3.Connection | None = None
-
-    @property
-    def exists(self) -> bool:
-        return self.db_path.is_file()
-
-    def _db(self) -> sqlite3.Connection:
-        if self._conn is None:
-            # mode=rw: never create an index where there is none
-            conn = sqlite3.connect(self.db_path.resolve().as_uri() + "?mode=rw", uri=True, timeout=30)
-            conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA busy_timeout = 30000")
-            self._conn = conn
-        return self._conn
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        if not self.exists:
-            return []
-        return [dict(row) for row in self._db().execute(sql, list(params))]
-
-    # --- reading ---
-
-    def list_sessions(self) -> list[dict[str, Any]]:
-        """Sessions, most recently used first, with turn count and snapshot bytes (as the manager's)."""
-        return self.rows(
-            "select s.*, count(t.id) as turns, coalesce(sum(n.bytes), 0) as bytes from sessions s "
-            "left join turns t on t.session_id = s.id left join snapshots n on n.id = t.snapshot_id "
-            "group by s.id order by s.last_used desc")
-
-    def list_snapshots(self) -> list[dict[str, Any]]:
-        """Snapshots, most recently used first, with how many sessions and turns name each."""
-        return self.rows(
-            "select n.*, count(distinct t.session_id) as sessions, count(t.id) as turns from snapshots n "
-            "left join turns t on t.snapshot_id = n.id group by n.id order by n.last_used desc")
-
-    def resolve(self, session_id: str) -> str:
-        """The full id of a session given its id or a unique prefix of it."""
-        if not session_id:
-            raise SessionsError("a session id is required")
-        exact = self.rows("select id from sessions where id = ?", [session_id])
-        if exact:
-            return exact[0]["id"]
-        escaped = session_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        found = self.rows("select id from sessions where id like ? escape '\\'", [escaped + "%"])
-        if not found:
-            raise SessionsError(f"no session {session_id!r} in {self.home}")
-        if len(found) > 1:
-            raise SessionsError(f"{session_id!r} matches {len(found)} sessions in {self.home}; give more of the id")
-        return found[0]["id"]
-
-    def session(self, session_id: str) -> dict[str, Any]:
-        found = [s for s in self.list_sessions() if s["id"] == session_id]
-        if not found:
-            raise SessionsError(f"no session {session_id!r} in {self.home}")
-        return found[0]
-
-    def turns(self, session_id: str) -> list[dict[str, Any]]:
-        return self.rows("select * from turns where session_id = ? order by [index]", [session_id])
-
-    def turns_with_snapshots(self, session_id: str) -> list[dict[str, Any]]:
-        """Turns with their snapshot's token count, bytes and pin (None where it is gone)."""
-        return self.rows(
-            "select t.*, n.token_count as snapshot_tokens, n.bytes as snapshot_bytes, n.pinned as snapshot_pinned "
-            "from turns t left join snapshots n on n.id = t.snapshot_id where t.session_id = ? order by t.[index]",
-            [session_id])
-
-    # --- writing (SessionManager's semantics) ---
-
-    def fork(self, session_id: str, turn: int) -> str:
-        """A new session holding turns 0..`turn` of `session_id`; both share those snapshots."""
-        kept = [t for t in self.turns(session_id) if t["index"] <= turn]
-        if not kept or kept[-1]["index"] != turn:
-            raise SessionsError(f"session {session_id} has no turn {turn}")
-        title = self.rows("select title from sessions where id = ?", [session_id])[0]["title"]
-        forked = uuid.uuid4().hex
-        now = time.time()
-        db = self._db()
-        with db:
-            db.execute("insert into sessions (id, created, last_used, pinned, parent, title) values (?, ?, ?, 0, ?, ?)",
-                       [forked, now, now, session_id, title])
-            for row in kept:
-                row = {**row, "id": uuid.uuid4().hex, "session_id": forked}
-                columns = ", ".join(f'"{c}"' for c in row)
-                db.execute(f"insert into turns ({columns}) values ({', '.join('?' * len(row))})", list(row.values()))
-        return forked
-
-    def pin(self, session_id: str, pinned: bool = True) -> None:
-        """A pinned session's snapshots are never evicted."""
-        db = self._db()
-        with db:
-            db.execute("update sessions set pinned = ? where id = ?", [int(pinned), session_id])
-
-    def delete(self, session_id: str) -> list[dict[str, Any]]:
-        """Delete a session and its turns, and the snapshots no other turn uses (not pinned ones).
-
-        Returns the removed snapshots' rows.
-        """
-        named = {t["snapshot_id"] for t in self.turns(session_id)} - {None}
-        db = self._db()
-        with db:
-            db.execute("delete from turns where session_id = ?", [session_id])
-            db.execute("delete from sessions where id = ?", [session_id])
-        removed = []
-        for snapshot_id in sorted(named):
-            found = self.rows("select * from snapshots where id = ?", [snapshot_id])
-            shared = self.rows("select 1 from turns where snapshot_id = ? limit 1", [snapshot_id])
-            if found and not shared and not found[0]["pinned"]:
-                self._remove(found[0])
-                removed.append(found[0])
-        return removed
-
-    def _remove(self, row: dict[str, Any]) -> None:
-        """Row first, then file (as `SnapshotStore.remove`): a row never names a missing file for long."""
-        db = self._db()
-        with db:
-            db.execute("delete from snapshots where id = ?", [row["id"]])
-            db.execute("update turns set snapshot_id = null where snapshot_id = ?", [row["id"]])
-        (self.dir / row["file"]).unlink(missing_ok=True)
+if TYPE_CHECKING:
+    from agentfold.sessions.index import SessionIndex
 
 
 # --- formatting ---------------------------------------------------------------------------------
@@ -314,7 +172,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run one `agentfold sessions` subcommand; user errors are one line on stderr and exit 1."""
-    index = SessionIndex(args.home)
+    from agentfold.sessions.index import SessionIndex, SessionsError
+
+    index = SessionIndex(args.home, create=False)
     try:
         return COMMANDS[args.sessions_command](index, args)
     except SessionsError as error:

@@ -11,7 +11,7 @@ serial decoding reaches.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from ..kernels import attention
+from ..kernels import attention, mlx_int8
+from .cache_layout import CacheLayoutError, array_name, bits_dtype, mark_bits, tokens_array, tokens_of
 from .loader import LoadedModel
 
 
@@ -51,9 +52,13 @@ class MLXBackend:
 
     name = "mlx"
 
-    def __init__(self, loaded: LoadedModel, row_exact_attention: bool = True) -> None:
+    def __init__(self, loaded: LoadedModel, row_exact_attention: bool = True, quant: str = "auto") -> None:
         self.loaded = loaded
         self.model = loaded.model
+        self.quant = resolve_quant(quant, self.model)
+        if self.quant == "int8":
+            mlx_int8.install(self.model)
+            self.model.agentfold_quant = "int8"
         self.patched = attention.install(self.model) if row_exact_attention else []
         probe = self.new_cache()
         self.recurrent_layers = [i for i, layer in enumerate(probe.layers) if isinstance(layer, ArraysCache)]
@@ -129,50 +134,62 @@ class MLXBackend:
                 layer.trim(count)
         del cache.tokens[len(cache.tokens) - count :]
 
-    # --- snapshots (sessions.store) ---
+    # --- snapshots (sessions.snapshots; engine.cache_layout) ---
 
-    def cache_to_arrays(self, cache: CacheState) -> tuple[dict[str, mx.array], list[dict[str, Any]]]:
-        """The arrays that make up `cache`, and a per-layer layout that says how to put them back."""
-        arrays: dict[str, mx.array] = {"tokens": mx.array(np.asarray(cache.tokens, dtype=np.int32))}
+    def cache_to_arrays(self, cache: CacheState) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+        """The arrays that make up `cache`, as numpy (bfloat16 as uint16 bits, see `cache_layout`), and a
+        per-layer layout that says how to put them back."""
+        arrays: dict[str, np.ndarray] = {"tokens": tokens_array(cache.tokens)}
         layout: list[dict[str, Any]] = []
         for i, layer in enumerate(cache.layers):
             if isinstance(layer, ArraysCache):
                 if layer.left_padding is not None or layer.lengths is not None:
-                    raise ValueError(f"layer {i}: batched recurrent state is not supported")
+                    raise CacheLayoutError(f"layer {i}: batched recurrent state is not supported")
                 present = [j for j, a in enumerate(layer.cache) if a is not None]
-                arrays.update({f"{i}.{j}": layer.cache[j] for j in present})
-                layout.append({"kind": "arrays", "size": len(layer.cache), "present": present})
+                spec: dict[str, Any] = {"kind": "arrays", "size": len(layer.cache), "present": present}
+                parts = {j: layer.cache[j] for j in present}
             elif type(layer) is KVCache:
-                if layer.keys is None:
-                    layout.append({"kind": "kv", "offset": 0})
-                    continue
-                n = layer.offset
-                arrays[f"{i}.keys"] = layer.keys[..., :n, :]
-                arrays[f"{i}.values"] = layer.values[..., :n, :]
-                layout.append({"kind": "kv", "offset": n})
+                n = layer.offset if layer.keys is not None else 0
+                spec = {"kind": "kv", "offset": n}
+                parts = {"keys": layer.keys[..., :n, :], "values": layer.values[..., :n, :]} if n else {}
             else:
-                raise ValueError(f"layer {i}: {type(layer).__name__} caches cannot be snapshotted")
+                raise CacheLayoutError(f"layer {i}: {type(layer).__name__} caches cannot be snapshotted")
+            for part, array in parts.items():
+                if array.dtype == mx.bfloat16:
+                    mark_bits(spec, part, "bfloat16")
+                    array = array.view(mx.uint16)
+                arrays[array_name(i, part)] = np.array(array)
+            layout.append(spec)
         return arrays, layout
 
-    def arrays_to_cache(self, arrays: dict[str, mx.array], layout: list[dict[str, Any]]) -> CacheState:
-        """A new cache holding `arrays`. Each array is a new Python object, so the cache's in-place
-        updates (`keys[...] = ...`) can never reach the caller's copy (the store's hot LRU)."""
+    def arrays_to_cache(self, arrays: Mapping[str, np.ndarray], layout: list[dict[str, Any]]) -> CacheState:
+        """A new cache holding `arrays` (as `cache_to_arrays` gives them). They are copied into MLX, so
+        the cache's in-place updates (`keys[...] = ...`) can never reach the caller's copy (the store's
+        hot LRU). Raises CacheLayoutError when they do not fit this model's cache."""
         cache = self.new_cache()
         if len(cache.layers) != len(layout):
-            raise ValueError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
+            raise CacheLayoutError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
+
+        def load(i: int, spec: dict[str, Any], part: str | int) -> mx.array:
+            found = arrays.get(array_name(i, part))
+            if found is None:
+                raise CacheLayoutError(f"layer {i}: the snapshot has no {array_name(i, part)!r} array")
+            return mx.array(found).view(mx.bfloat16) if bits_dtype(spec, part, found) else mx.array(found)
+
         for i, (layer, spec) in enumerate(zip(cache.layers, layout, strict=True)):
-            if spec["kind"] == "arrays" and isinstance(layer, ArraysCache):
+            if spec.get("kind") == "arrays" and isinstance(layer, ArraysCache):
                 state = [None] * spec["size"]
                 for j in spec["present"]:
-                    state[j] = mx.array(arrays[f"{i}.{j}"])
+                    state[j] = load(i, spec, j)
                 layer.cache, layer.left_padding, layer.lengths = state, None, None
-            elif spec["kind"] == "kv" and type(layer) is KVCache:
+            elif spec.get("kind") == "kv" and type(layer) is KVCache:
                 if spec["offset"]:
-                    layer.keys, layer.values = mx.array(arrays[f"{i}.keys"]), mx.array(arrays[f"{i}.values"])
+                    layer.keys, layer.values = load(i, spec, "keys"), load(i, spec, "values")
                     layer.offset = spec["offset"]
             else:
-                raise ValueError(f"layer {i}: snapshot holds {spec['kind']}, the model {type(layer).__name__}")
-        cache.tokens = [int(t) for t in np.array(arrays["tokens"])]
+                raise CacheLayoutError(f"layer {i}: snapshot holds {spec.get('kind')}, "
+                                       f"the model {type(layer).__name__}")
+        cache.tokens = tokens_of(arrays)
         return cache
 
     def describe(self) -> dict[str, Any]:
@@ -184,8 +201,23 @@ class MLXBackend:
             sdpa = getattr(sys.modules.get(cls.__module__), "scaled_dot_product_attention", None)
             if sdpa is not None:
                 kernels.append((cls.__module__, bool(getattr(sdpa, "agentfold_row_exact", False))))
-        return {"backend": self.name, "attention": [kernels, attention.PER_ROW_LIMIT],
+        linear = f"mlx_int8/{mlx_int8.VERSION}" if self.quant == "int8" else "float"
+        return {"backend": self.name, "attention": [kernels, attention.PER_ROW_LIMIT], "linear": linear,
                 "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
+
+
+QUANT_MODES = ("int8", "none")
+
+
+def resolve_quant(quant: str, model: Any) -> str:
+    """`auto` and `int8`: linear layers on int8 arithmetic, row-exact by construction (`kernels.mlx_int8`);
+    `none`: the model's own float weights, row-exact only as wide as the BLAS happens to be."""
+    if quant not in ("auto", *QUANT_MODES):
+        raise ValueError(f"quant must be auto, {', '.join(QUANT_MODES)}, not {quant!r}")
+    done = getattr(model, "agentfold_quant", None)
+    if done == "int8" and quant == "none":
+        raise ValueError("this model's linear layers were already replaced by int8 ones (load it again for float)")
+    return "none" if quant == "none" else "int8"
 
 
 def _copy_state(state: Sequence[Any]) -> list[Any]:

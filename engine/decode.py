@@ -305,6 +305,8 @@ class Engine:
                 break
             stats.record_position(j, drafts[j] == token)
             if drafts[j] != token:
+                for later in range(j + 1, len(drafts)):  # proposed, never reached: counted as not accepted
+                    stats.record_position(later, False)
                 break
         return committed
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from . import backend_choice
 from .backend import MLXBackend
 from .decode import Engine
 from .drafters import DraftModelDrafter, SuffixLookupDrafter
@@ -14,7 +15,8 @@ from .selfcheck import check_row_exactness
 DRAFTERS = ("suffix", "draft-model", "none")
 
 
-BACKENDS = ("mlx", "torch")
+BACKENDS = ("auto", "mlx", "torch")
+QUANTS = ("auto", "int8", "none")
 
 
 def _loader(backend: str, dtype: str | None, device: str,
@@ -47,18 +49,27 @@ def build_engine(
     progress: Callable[[str], None] | None = None,
     backend: str = "mlx",
     device: str = "auto",
+    quant: str = "auto",
+    verdicts: Path | None = None,
 ) -> Engine:
     """An engine whose drafted replies are byte-identical to its serial ones.
 
     `drafter`: suffix (prompt / session lookup), draft-model (needs `draft_model`), or none.
-    `backend`: mlx, or torch on `device` (auto | cpu | cuda). `dtype` None: float32, except
-    bfloat16 for torch on CUDA. The self-check caps verify passes at the widest row-exact width
-    (drafting off if none).
+    `backend`: mlx, torch on `device` (auto | cpu | cuda), or auto (`backend_choice`: the one
+    that verifies widest and fastest here, remembered in the `verdicts` file). `quant`: auto and
+    int8 run linear layers on int8 weights with exact integer sums (row-exact by construction; the
+    default wherever it runs), none keeps float weights (row-exact only as far as the BLAS happens
+    to be). `dtype` None: float32, except bfloat16 for torch on CUDA. The self-check caps verify
+    passes at the widest row-exact width (drafting off if none).
     """
     say = progress or (lambda message: None)
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {', '.join(QUANTS)}, not {quant!r}")
+    if backend == "auto":
+        return _build_auto(model, dtype, drafter, draft_model, max_width, self_check, say, device, quant, verdicts)
     load, backend_class = _loader(backend, dtype, device, say)
     loaded = load(model)
-    target = backend_class(loaded)
+    target = backend_class(loaded, quant=quant)
     if draft_model is not None and drafter == "suffix":
         drafter = "draft-model"
     chosen = None
@@ -67,7 +78,7 @@ def build_engine(
     elif drafter == "draft-model":
         if draft_model is None:
             raise ValueError("the draft-model drafter needs a draft model path")
-        chosen = DraftModelDrafter(backend_class(load(draft_model)))
+        chosen = DraftModelDrafter(backend_class(load(draft_model), quant=quant))
     elif drafter != "none":
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, not {drafter!r}")
     report = None
@@ -76,3 +87,37 @@ def build_engine(
         report = check_row_exactness(target, max_width=max_width)
         say(report.describe())
     return Engine(target, loaded.tokenizer, loaded.eos_token_ids, drafter=chosen, exactness=report)
+
+
+def _build_auto(model: str | Path | LoadedModel, dtype: str | None, drafter: str,
+                draft_model: str | Path | LoadedModel | None, max_width: int, self_check: bool,
+                say: Callable[[str], None], device: str, quant: str, verdicts: Path | None) -> Engine:
+    """`backend="auto"`: the remembered verdict for this machine and model, else measure every
+    candidate (load + self-check) and keep the winner's engine."""
+    if isinstance(model, LoadedModel):
+        raise ValueError("backend auto needs a model path (a loaded model already belongs to one backend)")
+    names = backend_choice.candidates(device)
+    common = {"dtype": dtype, "drafter": drafter, "draft_model": draft_model, "max_width": max_width,
+              "self_check": self_check, "progress": say, "device": device, "quant": quant}
+    if len(names) == 1 or not self_check or drafter == "none":
+        say(f"backend auto -> {names[0]} (preferred here; nothing to measure)" if len(names) > 1
+            else f"backend auto -> {names[0]} (the only backend for this device)")
+        return build_engine(model, backend=names[0], **common)
+    key = backend_choice.verdict_key(Path(model), device, quant)
+    known = backend_choice.recall(verdicts, key)
+    if known is not None and known.get("backend") in names:
+        say(backend_choice.describe(known, remembered=True))
+        return build_engine(model, backend=known["backend"], **common)
+    engines: dict[str, Engine] = {}
+    for name in names:
+        say(f"backend auto: measuring {name}")
+        try:
+            engines[name] = build_engine(model, backend=name, **common)
+        except (ValueError, RuntimeError) as error:  # e.g. an architecture one backend lacks
+            say(f"backend auto: {name} cannot run this model ({error})")
+    if not engines:
+        raise ValueError(f"no backend can run {model}")
+    winner, verdict = backend_choice.pick({name: engine.exactness for name, engine in engines.items()})
+    backend_choice.remember(verdicts, key, verdict)
+    say(backend_choice.describe(verdict, remembered=False))
+    return engines[winner]

@@ -10,17 +10,16 @@ Row-exactness comes from the kernels `torch_models.ops` dispatches to for the we
 from __future__ import annotations
 
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 import torch
 
 from .backend import CacheState, Checkpoint
+from .cache_layout import CacheLayoutError, array_name, bits_dtype, mark_bits, tokens_array, tokens_of
 from .loader import LoadedModel
-from .torch_models import ops
-from .torch_models.cache import LayerCache
+from .torch_models import ops, quantize
 
 
 class TorchBackend:
@@ -29,12 +28,15 @@ class TorchBackend:
     name = "torch"
     has_recurrent_state = False
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, quant: str = "auto") -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
         self.vocab_size = int(self.model.args.vocab_size)
-        if self.device.type == "cpu":
+        self.quant = resolve_quant(quant, self.device, self.model)
+        if self.quant == "int8":
+            quantize.int8_weights(self.model)
+        elif self.device.type == "cpu":
             self._calibrate_cpu_matmuls()
 
     def _calibrate_cpu_matmuls(self) -> None:
@@ -89,34 +91,37 @@ class TorchBackend:
     def truncate(self, cache: CacheState, length: int) -> None:
         del cache.tokens[length:]
 
-    # --- snapshots (sessions.store) ---
+    # --- snapshots (sessions.snapshots; engine.cache_layout) ---
 
-    def cache_to_arrays(self, cache: CacheState) -> tuple[dict[str, mx.array], list[dict[str, Any]]]:
-        """The cache's valid rows as MLX arrays (what the snapshot store writes), and their layout."""
-        arrays: dict[str, mx.array] = {"tokens": mx.array(np.asarray(cache.tokens, dtype=np.int32))}
+    def cache_to_arrays(self, cache: CacheState) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+        """The cache's valid rows as numpy arrays (bfloat16 as uint16 bits, see `cache_layout`), and their layout."""
+        arrays: dict[str, np.ndarray] = {"tokens": tokens_array(cache.tokens)}
         layout: list[dict[str, Any]] = []
         n = cache.length
         for i, layer in enumerate(cache.layers):
-            keys, values = layer.read(n)
-            arrays[f"{i}.keys"], arrays[f"{i}.values"] = _to_mx(keys), _to_mx(values)
-            layout.append({"kind": "kv", "offset": n})
+            spec: dict[str, Any] = {"kind": "kv", "offset": n}
+            for part, tensor in zip(("keys", "values"), layer.read(n), strict=True):
+                arrays[array_name(i, part)] = _to_numpy(tensor, spec, part)
+            layout.append(spec)
         return arrays, layout
 
-    def arrays_to_cache(self, arrays: dict[str, mx.array], layout: list[dict[str, Any]]) -> CacheState:
-        """A new cache holding `arrays` (copied: the store's hot copy is never written to)."""
-        from ..sessions.store import SnapshotError
-
+    def arrays_to_cache(self, arrays: Mapping[str, np.ndarray], layout: list[dict[str, Any]]) -> CacheState:
+        """A new cache holding `arrays` (copied: the store's hot copy is never written to). Raises
+        CacheLayoutError when they do not fit this model's cache."""
         cache = self.new_cache()
         if len(cache.layers) != len(layout):
-            raise SnapshotError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
-        tokens = [int(t) for t in np.array(arrays["tokens"])]
+            raise CacheLayoutError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
+        tokens = tokens_of(arrays)
+        n = len(tokens)
         for i, (layer, spec) in enumerate(zip(cache.layers, layout, strict=True)):
-            if spec.get("kind") != "kv" or spec.get("offset") != len(tokens):
-                raise SnapshotError(f"layer {i}: snapshot holds {spec}, the model a {len(tokens)}-token KV cache")
-            if spec["offset"]:
-                keys, values = (_from_mx(arrays[f"{i}.{part}"], layer.keys) for part in ("keys", "values"))
-                if keys.shape[0] != layer.keys.shape[0] or keys.shape[2] != layer.keys.shape[2]:
-                    raise SnapshotError(f"layer {i}: snapshot keys are {list(keys.shape)}, not this model's")
+            if spec.get("kind") != "kv" or spec.get("offset") != n:
+                raise CacheLayoutError(f"layer {i}: snapshot holds {spec}, the model a {n}-token KV cache")
+            if n:
+                keys, values = (_from_numpy(arrays, i, spec, part, layer.keys) for part in ("keys", "values"))
+                expected = [layer.keys.shape[0], n, layer.keys.shape[2]]
+                if list(keys.shape) != expected or values.shape != keys.shape:
+                    raise CacheLayoutError(f"layer {i}: snapshot keys are {list(keys.shape)}, values "
+                                           f"{list(values.shape)}; this model's are {expected}")
                 layer.write(0, keys, values)
         cache.tokens = tokens
         return cache
@@ -124,26 +129,53 @@ class TorchBackend:
     def describe(self) -> dict[str, Any]:
         """Kernel identity and library versions: what, besides the weights, decides the bytes."""
         offload = getattr(self.model, "expert_offload", None)  # offloaded experts use other arithmetic
-        return {"backend": self.name, "device": str(self.device), **ops.describe(self.device),
+        kernels = ops.describe(self.device)
+        if self.quant == "int8":
+            from ..kernels import int8_linear
+
+            kernels.update(int8_linear.describe())
+        return {"backend": self.name, "device": str(self.device), **kernels,
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
                 **(offload.describe() if offload is not None else {})}
 
 
-def _to_mx(tensor: torch.Tensor) -> mx.array:
-    """A torch tensor as an MLX array of the same dtype (bfloat16 travels as int16 bits)."""
-    tensor = tensor.detach().cpu().contiguous()
+def resolve_quant(quant: str, device: torch.device, model: torch.nn.Module) -> str:
+    """`auto`: int8 weights on CPU (row-exact by integer arithmetic, 4x fewer bytes), float on CUDA
+    (the batch-invariant Triton kernels). A model already quantized stays int8."""
+    if quant not in ("auto", *quantize.MODES):
+        raise ValueError(f"quant must be auto, {', '.join(quantize.MODES)}, not {quant!r}")
+    if getattr(model, "quantized", None) == "int8":
+        if quant == "none":
+            raise ValueError("this model's weights were already quantized to int8 (load it again for float)")
+        return "int8"
+    if quant == "auto":
+        return "int8" if device.type == "cpu" else "none"
+    if quant == "int8" and device.type != "cpu":
+        raise ValueError("int8 weights run on the CPU; on CUDA the torch backend uses float weights")
+    return quant
+
+
+def _to_numpy(tensor: torch.Tensor, spec: dict[str, Any], part: str) -> np.ndarray:
+    """A copy of `tensor` as a numpy array; bfloat16 as its uint16 bits, noted in the layer's `spec`."""
+    tensor = tensor.detach().to("cpu", copy=True).contiguous()
     if tensor.dtype == torch.bfloat16:
-        return mx.array(tensor.view(torch.int16).numpy()).view(mx.bfloat16)
-    return mx.array(tensor.numpy())
+        mark_bits(spec, part, "bfloat16")
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
 
 
-def _from_mx(array: mx.array, like: LayerCache | torch.Tensor) -> torch.Tensor:
-    """An MLX array back as a torch tensor with `like`'s dtype and device."""
-    target = like if isinstance(like, torch.Tensor) else like.keys
-    if array.dtype == mx.bfloat16:
-        tensor = torch.from_numpy(np.array(array.view(mx.int16))).view(torch.bfloat16)
+def _from_numpy(arrays: Mapping[str, np.ndarray], layer: int, spec: dict[str, Any], part: str,
+                like: torch.Tensor) -> torch.Tensor:
+    """A snapshot array back as a torch tensor with `like`'s dtype, on its device."""
+    array = arrays.get(array_name(layer, part))
+    if array is None:
+        raise CacheLayoutError(f"layer {layer}: the snapshot has no {array_name(layer, part)!r} array")
+    if not array.flags.writeable:  # torch cannot wrap a read-only buffer
+        array = array.copy()
+    if bits_dtype(spec, part, array) == "bfloat16":
+        tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     else:
-        tensor = torch.from_numpy(np.array(array))
-    if tensor.dtype != target.dtype:
-        raise ValueError(f"snapshot holds {tensor.dtype}, the cache {target.dtype}")
-    return tensor.to(target.device)
+        tensor = torch.from_numpy(array)
+    if tensor.dtype != like.dtype:
+        raise CacheLayoutError(f"layer {layer}: snapshot holds {tensor.dtype}, the cache {like.dtype}")
+    return tensor.to(like.device)

@@ -34,7 +34,9 @@ def _grouped_int8_kernel(a_ptr, rows_ptr, slot_ptr, w_ptr, out_ptr, R, N, K, str
                     other=0)
         w = tl.load(w_ptr + slot * stride_ws + rn[None, :].to(tl.int64) * stride_wn + kk[:, None],
                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
-        acc = tl.dot(a, w, acc)
+        # out_dtype explicit: older Tritons (3.6, for one) default it to float32 whatever acc's type, and the
+        # GPU compile then rejects the int32 accumulator (the interpreter never checks it)
+        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
     out = out_ptr + r[:, None].to(tl.int64) * stride_o + rn[None, :]
     tl.store(out, acc, mask=valid[:, None] & (rn[None, :] < N))
 

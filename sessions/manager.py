@@ -26,7 +26,7 @@ from typing import Any
 from ..engine.backend import CacheState
 from ..engine.decode import Completion, Engine, GenerationConfig
 from .ids import check_session_id
-from .store import DEFAULT_BUDGET, DEFAULT_HOT_BYTES, LAYOUT_VERSION, SnapshotError, SnapshotStore
+from .snapshots import DEFAULT_BUDGET, DEFAULT_HOT_BYTES, LAYOUT_VERSION, SnapshotError, SnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class SessionManager:
                  hot_bytes: int = DEFAULT_HOT_BYTES) -> None:
         self.engine = engine
         self.store = SnapshotStore(home, budget_bytes, hot_bytes)
+        self.index = self.store.index  # sessions and turns; the same class `agentfold sessions` uses
         self.key = snapshot_key(engine)
         self._lock = threading.Lock()  # one reply at a time: the engine is not reentrant
 
@@ -226,71 +227,39 @@ class SessionManager:
     # --- sessions ---
 
     def _ensure_session(self, session_id: str | None, title: str) -> str:
-        if session_id is not None and self.store.rows("select id from sessions where id = ?", [session_id]):
+        if session_id is not None and self.index.has_session(session_id):
             return session_id
         return self.new_session(title, session_id=session_id)
 
     def new_session(self, title: str = "", parent: str | None = None, session_id: str | None = None) -> str:
         session_id = check_session_id(session_id) if session_id is not None else uuid.uuid4().hex
-        now = time.time()
-        with self.store.write() as db:
-            db["sessions"].insert({"id": session_id, "created": now, "last_used": now, "pinned": 0,
-                                   "parent": parent, "title": title})
-        return session_id
+        return self.index.new_session(session_id, title, parent)
 
     def _record(self, session_id: str, prompt_tokens: int, reply_tokens: int, snapshot_id: str | None) -> int:
-        now = time.time()
-        with self.store.write() as db:
-            index = db.execute("select count(*) from turns where session_id = ?", [session_id]).fetchone()[0]
-            db["turns"].insert({"id": uuid.uuid4().hex, "session_id": session_id, "index": index,
-                                "prompt_tokens": prompt_tokens, "reply_tokens": reply_tokens,
-                                "snapshot_id": snapshot_id, "created": now})
-            db["sessions"].update(session_id, {"last_used": now})
-        return index
+        return self.index.record_turn(session_id, prompt_tokens, reply_tokens, snapshot_id)
 
     def turns(self, session_id: str) -> list[dict[str, Any]]:
-        return self.store.rows("select * from turns where session_id = ? order by [index]", [session_id])
+        return self.index.turns(session_id)
 
     def fork(self, session_id: str, turn: int) -> str:
         """A new session holding turns 0..`turn` of `session_id`; both share those snapshots."""
-        kept = [t for t in self.turns(session_id) if t["index"] <= turn]
-        if not kept or kept[-1]["index"] != turn:
-            raise ValueError(f"session {session_id} has no turn {turn}")
-        title = self.store.rows("select title from sessions where id = ?", [session_id])[0]["title"]
-        forked = self.new_session(title, parent=session_id)
-        with self.store.write() as db:
-            db["turns"].insert_all([{**t, "id": uuid.uuid4().hex, "session_id": forked} for t in kept])
-        return forked
+        return self.index.fork(session_id, turn)
 
     def pin(self, session_id: str, pinned: bool = True) -> None:
         """A pinned session's snapshots are never evicted."""
-        with self.store.write() as db:
-            db["sessions"].update(session_id, {"pinned": int(pinned)})
+        self.index.pin(session_id, pinned)
 
     def pin_snapshot(self, snapshot_id: str, pinned: bool = True) -> None:
-        self.store.pin(snapshot_id, pinned)
+        self.index.pin_snapshot(snapshot_id, pinned)
 
     def delete(self, session_id: str) -> list[str]:
         """Delete a session and its turns, and the snapshots no other turn uses (not pinned ones)."""
-        named = {t["snapshot_id"] for t in self.turns(session_id)} - {None}
-        with self.store.write() as db:
-            db["turns"].delete_where("session_id = ?", [session_id])
-            db["sessions"].delete_where("id = ?", [session_id])
-        removed = []
-        for snapshot_id in sorted(named):
-            row = self.store.row(snapshot_id)
-            shared = self.store.rows("select 1 from turns where snapshot_id = ? limit 1", [snapshot_id])
-            if row is not None and not shared and not row["pinned"]:
-                self.store.remove(snapshot_id)
-                removed.append(snapshot_id)
-        return removed
+        return [row["id"] for row in self.index.delete(session_id)]
 
     def list_sessions(self) -> list[dict[str, Any]]:
         """Sessions, most recently used first, with their turn count and snapshot bytes."""
-        return self.store.rows(
-            "select s.*, count(t.id) as turns, coalesce(sum(n.bytes), 0) as bytes from sessions s "
-            "left join turns t on t.session_id = s.id left join snapshots n on n.id = t.snapshot_id "
-            "group by s.id order by s.last_used desc")
+        return self.index.list_sessions()
 
     def list_snapshots(self) -> list[dict[str, Any]]:
-        return self.store.rows("select * from snapshots order by last_used desc")
+        """Snapshots, most recently used first, with how many sessions and turns name each."""
+        return self.index.list_snapshots()

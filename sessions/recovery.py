@@ -74,7 +74,7 @@ def _unlink(path: str) -> bool:
 
 
 def recover(store: Any, grace_seconds: float = GRACE_SECONDS) -> Recovery:
-    """Remove crash debris from `store` (a SnapshotStore): temp files, unindexed files, rows without a file.
+    """Remove crash debris from `store` (an `index.SessionIndex`): temp files, unindexed files, rows without a file.
 
     Never raises for a storage problem (a read-only or full disk): it warns and leaves things as they are.
     """

@@ -7,27 +7,34 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 
 import agentfold  # noqa: F401  (before mlx)
+from agentfold import bench_llamacpp
 from agentfold.bench import CODE_EDIT_WINDOW, bench_decode, code_edit_source, workloads
+from agentfold.bench_llamacpp import NOT_INSTALLED
 
 TOP_KEYS = {
     "schema", "timestamp", "duration_seconds", "quick", "max_tokens", "sampling", "machine", "versions", "blas",
-    "model", "draft_model", "exactness", "roofline", "baseline", "warmup", "workloads", "summary",
+    "backend", "model", "draft_model", "exactness", "roofline", "baseline", "llama_cpp", "warmup", "workloads",
+    "summary", "quality",
 }
-MACHINE_KEYS = {"platform", "machine", "processor", "cpu_count", "cpus_usable", "memory_bytes", "memory_gb",
-                "loadavg_start", "loadavg_end"}
+MACHINE_KEYS = {"platform", "machine", "processor", "cpu_model", "cpu_count", "cpus_usable", "threads", "memory_bytes",
+                "memory_gb", "loadavg_start", "loadavg_end"}
+BACKEND_KEYS = {"name", "quant", "requested", "kernels", "auto_verdict"}
 VERSION_KEYS = {"python", "mlx", "mlx_lm", "agentfold", "numpy", "transformers"}
-MODEL_KEYS = {"path", "name", "dtype", "model_type", "parameters", "bytes", "load_seconds", "drafter", "max_drafts"}
+MODEL_KEYS = {"path", "name", "dtype", "model_type", "parameters", "bytes", "load_seconds", "quant", "drafter",
+              "max_drafts"}
 EXACTNESS_KEYS = {"max_width", "drafting", "checked_widths", "checked", "max_abs_diff", "pass_seconds", "seconds",
                   "describe"}
-ROOFLINE_KEYS = {"method", "array_mb", "repeats", "best_seconds", "bandwidth_gbs", "model_bytes", "tps", "note"}
+ROOFLINE_KEYS = {"method", "array_mb", "repeats", "best_seconds", "bandwidth_gbs", "model_bytes", "bytes_per_token",
+                 "bytes_basis", "tps", "mlx_lm_bytes_per_token", "mlx_lm_tps", "note"}
 WORKLOAD_KEYS = {
     "description", "prompt_tokens", "max_tokens", "serial_tps", "drafted_tps", "speedup", "tokens_per_pass",
     "drafted_tps_decodestats", "acceptance_rate", "drafted", "accepted", "accepted_per_position", "identical",
-    "mlx_lm_tps",
+    "mlx_lm_tps", "mlx_lm_identical_to_serial",
     "serial_vs_mlx_lm", "drafted_vs_mlx_lm", "serial_roofline_fraction", "drafted_roofline_fraction",
     "mlx_lm_roofline_fraction", "serial", "drafted_run", "mlx_lm",
 }
@@ -38,7 +45,8 @@ RUN_KEYS = {
 }
 MLX_LM_KEYS = {"completion_tokens", "finish_reason", "steady_tps", "decode_tps", "first_pass_tokens", "ttft_seconds",
                "decode_seconds", "total_seconds", "token_sha", "identical_to_serial"}
-SUMMARY_KEYS = {"all_identical", "speedup_geomean", "serial_vs_mlx_lm_geomean", "code_edit_speedup"}
+SUMMARY_KEYS = {"all_identical", "speedup_geomean", "serial_vs_mlx_lm_geomean", "code_edit_speedup", "prose_speedup",
+                "serial_tps_min", "serial_tps_geomean", "targets", "quality_default_ok"}
 
 
 def _missing(expected: set[str], actual: dict) -> set[str]:
@@ -71,11 +79,27 @@ def test_bench_decode_quick_writes_complete_json(tmp_path):
     assert not _missing(TOP_KEYS, on_disk)
     assert on_disk["quick"] is True and on_disk["max_tokens"] == 16
     assert not _missing(MACHINE_KEYS, on_disk["machine"])
+    assert on_disk["machine"]["cpu_model"] and on_disk["machine"]["threads"]["backend"] >= 1
+    backend = on_disk["backend"]
+    assert not _missing(BACKEND_KEYS, backend) and backend["name"] in ("torch", "mlx")
+    assert backend["quant"] == ("int8" if backend["kernels"].get("device", "cpu") == "cpu" else "none")
+    assert backend["requested"] == {"backend": "auto", "quant": "auto", "device": "auto"}
+    assert backend["kernels"]["backend"] == backend["name"]
     assert not _missing(VERSION_KEYS, on_disk["versions"]) and on_disk["versions"]["mlx"]
     assert not _missing(MODEL_KEYS, on_disk["model"]) and on_disk["model"]["bytes"] > 0
     assert not _missing(EXACTNESS_KEYS, on_disk["exactness"]) and on_disk["exactness"]["describe"]
     assert not _missing(ROOFLINE_KEYS, on_disk["roofline"])
-    assert on_disk["roofline"]["bandwidth_gbs"] > 0 and on_disk["roofline"]["tps"] > 0
+    roofline = on_disk["roofline"]
+    assert roofline["bandwidth_gbs"] > 0 and roofline["tps"] > 0 and roofline["mlx_lm_tps"] > 0
+    assert 0 < roofline["bytes_per_token"] <= roofline["model_bytes"] and roofline["bytes_basis"].startswith(backend["name"])
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert on_disk["llama_cpp"] == {"skipped": NOT_INSTALLED}
+    targets = on_disk["summary"]["targets"]
+    assert set(targets) == {"code_edit_speedup", "prose_speedup", "serial_tps"}
+    assert all(isinstance(t["met"], bool) for t in targets.values())
+    quality = on_disk["quality"]["backends"][backend["name"]]
+    assert quality["float32"]["perplexity"] > 1 and quality["int8"]["perplexity"] > 1
+    assert abs(quality["relative_change_pct"]) < 5 and on_disk["summary"]["quality_default_ok"] is quality["default_ok"]
     assert on_disk["blas"] and on_disk["draft_model"] is None
     assert not _missing(SUMMARY_KEYS, on_disk["summary"]) and on_disk["summary"]["all_identical"] is True
 
@@ -95,4 +119,82 @@ def test_bench_decode_quick_writes_complete_json(tmp_path):
         assert row["drafted"] == row["drafted_run"]["drafted"] and 0 <= row["accepted"] <= row["drafted"]
         assert sum(row["accepted_per_position"]) == row["accepted"]
     assert on_disk["workloads"]["code-edit"]["source"]["excerpt"] is True
+    cost = on_disk["workloads"]["code-edit"]["exactness_cost"]
+    assert ("skipped" in cost) if backend["name"] == "torch" else cost["exact_drafted_tps"] > 0
     assert any("code-edit" in line for line in lines) and any("loaded" in line for line in lines)
+
+
+FAKE_LLAMA_CPP = """
+import numpy as np
+
+__version__ = "0.0-fake"
+REPLY = [5, 6, 7, 5, 6, 7, 9, 2, 11]  # 2 is the end-of-sequence token
+
+
+class Llama:
+    def __init__(self, model_path, n_ctx=512, n_threads=None, n_threads_batch=None, draft_model=None, verbose=True):
+        self.model_path, self.draft_model = model_path, draft_model
+        self.closed = False
+
+    def token_eos(self):
+        return 2
+
+    def generate(self, tokens, top_k=40, top_p=0.95, min_p=0.05, temp=0.8, repeat_penalty=1.0):
+        assert temp == 0.0 and top_k == 1 and repeat_penalty == 1.0 and len(tokens) > 0
+        reply = REPLY if self.draft_model is None else REPLY[:3] + [8] + REPLY[4:]
+        yield from reply
+
+    def close(self):
+        self.closed = True
+"""
+FAKE_SPECULATIVE = """
+class LlamaPromptLookupDecoding:
+    def __init__(self, max_ngram_size=2, num_pred_tokens=10):
+        self.max_ngram_size, self.num_pred_tokens = max_ngram_size, num_pred_tokens
+"""
+
+
+@pytest.fixture
+def stand_in_llama_cpp(tmp_path, monkeypatch):
+    """A stand-in `llama_cpp` package on sys.path, gone again (with its modules) after the test."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        pytest.skip("the real llama-cpp-python is installed")
+    package = tmp_path / "site" / "llama_cpp"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    (package / "llama_speculative.py").write_text(FAKE_SPECULATIVE)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    yield
+    for name in ("llama_cpp", "llama_cpp.llama_speculative"):
+        sys.modules.pop(name, None)
+
+
+def test_llama_cpp_row_with_a_stand_in_binding(tmp_path, stand_in_llama_cpp):
+    """The llama.cpp row's plumbing (load, greedy settings, stop token, comparisons) on a stand-in binding."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    runner, info = bench_llamacpp.open_llama_cpp(gguf, n_ctx=256, threads=2)
+    assert runner is not None and info["version"] == "0.0-fake" and info["prompt_lookup"]["num_pred_tokens"] == 10
+    agentfold_serial = [5, 6, 7, 5, 6, 7, 9, 2]
+    row = bench_llamacpp.workload_row(runner, [1, 2, 3], max_tokens=16, stop_ids=[2], serial_tokens=agentfold_serial,
+                                      serial_tps=10.0)
+    assert row["serial"]["completion_tokens"] == 8 and row["serial"]["finish_reason"] == "stop"
+    assert row["identical_to_agentfold_serial"] is True and row["serial_tps"] > 0
+    assert row["prompt_lookup_identical_to_its_serial"] is False and row["prompt_lookup_identical_to_agentfold_serial"] is False
+    assert row["prompt_lookup"]["completion_tokens"] == 8 and "tokens" not in row["serial"]
+    short = bench_llamacpp.decode(runner.serial, [1], max_tokens=4, stop_ids=[])
+    assert short["completion_tokens"] == 4 and short["finish_reason"] == "length"
+    runner.close()
+    assert runner.serial.closed and runner.lookup.closed
+
+    folder = tmp_path / "folder-model"
+    folder.mkdir()
+    assert "not a GGUF file" in bench_llamacpp.open_llama_cpp(folder, n_ctx=256, threads=2)[1]["skipped"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed")
+def test_llama_cpp_row_is_skipped_with_a_reason_when_not_installed(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert bench_llamacpp.open_llama_cpp(gguf, n_ctx=256, threads=2) == (None, {"skipped": NOT_INSTALLED})

@@ -59,6 +59,40 @@ def test_second_turn_resumes_and_equals_fresh(stack, smollm2_engine, tmp_path):
     assert second.model_extra["agentfold"]["token_sha"] == reference.model_extra["agentfold"]["token_sha"]
 
 
+READ_FILE = {"type": "function", "function": {"name": "read_file", "description": "Read a file of the project.",
+                                               "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                              "required": ["path"], "additionalProperties": False}}}
+
+
+def test_turn_after_a_forced_tool_call_reuses_the_cache(stack, smollm2_engine, tmp_path):
+    """The forced-call instruction is a turn of its own after the history, so the next turn (whose
+    history lacks it) restores the snapshot taken before it, and still equals a fresh server."""
+    _, client, _ = stack
+    turn1 = [{"role": "system", "content": "You are a coding agent.\n" + SOURCE},
+             {"role": "user", "content": "Open the module file, please."}]
+    first = client.chat.completions.create(
+        model="smollm2", messages=turn1, tools=[READ_FILE], max_tokens=60, extra_headers={"X-Session-Id": "s-tool"},
+        tool_choice={"type": "function", "function": {"name": "read_file"}})
+    call = first.choices[0].message.tool_calls[0]
+    turn2 = [*turn1, {"role": "assistant", "content": None,
+                      "tool_calls": [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+             {"role": "tool", "tool_call_id": call.id, "content": SOURCE[:400]}]
+    second = client.chat.completions.create(model="smollm2", messages=turn2, tools=[READ_FILE], max_tokens=12,
+                                            extra_headers={"X-Session-Id": "s-tool"})
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 40, (cached, first.usage.prompt_tokens)
+
+    fresh_service, fresh_server = serve(smollm2_engine, tmp_path / "fresh")
+    try:
+        fresh = openai.OpenAI(base_url=fresh_server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        reference = fresh.chat.completions.create(model="smollm2", messages=turn2, tools=[READ_FILE], max_tokens=12)
+    finally:
+        fresh_server.stop()
+        fresh_service.close()
+    assert second.model_extra["agentfold"]["token_sha"] == reference.model_extra["agentfold"]["token_sha"]
+
+
 def test_telemetry_rows_match_responses(stack):
     service, client, _ = stack
     reply = chat(client, [{"role": "user", "content": "Name a color."}], session="s-2")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import subprocess
 import sys
@@ -20,12 +21,17 @@ from pathlib import Path
 import agentfold  # noqa: F401  (picks the BLAS before mlx.core is imported)
 
 # isort: split
+import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm.models.cache import ArraysCache
 
+from agentfold.engine.cache_layout import CacheLayoutError
 from agentfold.engine.decode import Completion, Engine, GenerationConfig
 from agentfold.engine.factory import build_engine
 from agentfold.kernels import attention
 from agentfold.sessions import SessionManager
+from agentfold.sessions.snapshots import SnapshotError, SnapshotStore
 
 try:
     from tests.tiny_models import CORPUS, build_model, loaded_model, make_tokenizer, tiny_config
@@ -259,6 +265,127 @@ def test_fork_continues_independently(tiny, tmp_path):
     branch.append(user(TINY_USERS[4]))
     completion, info = manager.reply(branch, SERIAL, forked)
     assert info.cached_tokens > 0 and completion.tokens == fresh_reply(engine, branch, SERIAL).tokens
+
+
+# --- snapshot files ---------------------------------------------------------------------------
+
+
+def file_header(path: Path) -> dict:
+    data = path.read_bytes()
+    return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+
+
+def cast(cache, dtype):
+    """`cache` with every array it holds cast to `dtype` (a storage round trip runs no forward pass)."""
+    for layer in cache.layers:
+        if isinstance(layer, ArraysCache):
+            layer.cache = [None if a is None else a.astype(dtype) for a in layer.cache]
+        elif layer.keys is not None:
+            layer.keys, layer.values = layer.keys.astype(dtype), layer.values.astype(dtype)
+    return cache
+
+
+def held(cache) -> dict:
+    """Every array an MLX cache holds (valid rows only), by snapshot name."""
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, ArraysCache):
+            out.update({f"{i}.{j}": a for j, a in enumerate(layer.cache) if a is not None})
+        elif layer.keys is not None:
+            out[f"{i}.keys"], out[f"{i}.values"] = (x[..., : layer.offset, :] for x in (layer.keys, layer.values))
+    return out
+
+
+def bits(array: mx.array) -> np.ndarray:
+    return np.array(array.view({2: mx.uint16, 4: mx.uint32}[array.itemsize]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_snapshot_files_round_trip_and_read_what_mlx_wrote(tiny, tmp_path, dtype):
+    """A snapshot is a standard safetensors file written from numpy (bfloat16 tagged BF16) and read
+    back bit for bit; the same snapshot written by `mx.save_safetensors`, as snapshots were before
+    the store stopped importing MLX, restores the same cache."""
+    backend = tiny["qwen3_next"].backend  # attention and recurrent layers
+    cache = backend.new_cache()
+    backend.prefill(list(range(40, 110)), cache)
+    cache = cast(cache, getattr(mx, dtype))
+    expected = held(cache)
+    store = SnapshotStore(tmp_path / "home")
+    row = store.row(store.save("k", cache, [], backend=backend))
+    path = store.dir / row["file"]
+    header = file_header(path)
+    assert {header[name]["dtype"] for name in expected} == {{"float32": "F32", "bfloat16": "BF16"}[dtype]}
+    assert header["tokens"]["dtype"] == "I32"
+
+    def restores_the_same() -> None:
+        restored = SnapshotStore(tmp_path / "home").load(store.row(row["id"]), backend)  # from disk: a new store
+        assert restored.tokens == cache.tokens
+        got = held(restored)
+        assert set(got) == set(expected)
+        for name, array in expected.items():
+            assert got[name].dtype == array.dtype and np.array_equal(bits(got[name]), bits(array)), name
+
+    restores_the_same()
+    metadata = header["__metadata__"]  # now as MLX's writer made it: no bits notes, the BF16 tag says it
+    metadata["layers"] = json.dumps([{k: v for k, v in spec.items() if k != "bits"}
+                                     for spec in json.loads(metadata["layers"])])
+    mx.save_safetensors(str(path), {"tokens": mx.array(np.asarray(cache.tokens, dtype=np.int32)), **expected},
+                        metadata=metadata)
+    data = path.read_bytes()
+    with store.write() as db:
+        db["snapshots"].update(row["id"], {"bytes": len(data), "checksum": hashlib.sha256(data).hexdigest()})
+    restores_the_same()
+
+
+def test_arrays_for_another_cache_are_refused(tiny, tmp_path):
+    """Backends raise the engine's CacheLayoutError; the store reports it as a SnapshotError."""
+    dense, hybrid = tiny["qwen3"].backend, tiny["qwen3_next"].backend
+    cache = dense.new_cache()
+    dense.prefill(list(range(40, 80)), cache)
+    with pytest.raises(CacheLayoutError):
+        hybrid.arrays_to_cache(*dense.cache_to_arrays(cache))
+    arrays, layout = dense.cache_to_arrays(cache)
+    del arrays["0.values"]
+    with pytest.raises(CacheLayoutError, match="0.values"):
+        dense.arrays_to_cache(arrays, layout)
+    store = SnapshotStore(tmp_path / "home")
+    row = store.row(store.save("k", cache, [], backend=dense))
+    with pytest.raises(SnapshotError, match=f"snapshot {row['id']}: .*layer"):
+        store.load(row, hybrid)
+    assert dense.arrays_to_cache(*dense.cache_to_arrays(cache)).tokens == cache.tokens
+
+
+def test_torch_bfloat16_snapshot_is_a_standard_file(tmp_path):
+    """The torch backend stores bfloat16 through numpy too (no MLX detour); MLX reads the same bits."""
+    torch = pytest.importorskip("torch")
+    from agentfold.engine.torch_backend import TorchBackend
+    from agentfold.engine.torch_loader import load_torch_model
+
+    try:
+        from tests.torch_tiny import write_folder
+    except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
+        from torch_tiny import write_folder
+
+    backend = TorchBackend(load_torch_model(write_folder(tmp_path / "qwen3", "qwen3", seed=3), dtype="bfloat16",
+                                            device="cpu"))
+    cache = backend.new_cache()  # filled by hand: storage runs no forward pass
+    generator = torch.Generator().manual_seed(5)
+    for layer in cache.layers:
+        kv_heads, _, head_dim = layer.keys.shape
+        layer.write(0, *(torch.randn(kv_heads, 30, head_dim, generator=generator).bfloat16() for _ in range(2)))
+    cache.tokens = list(range(30, 60))
+    store = SnapshotStore(tmp_path / "home")
+    row = store.row(store.save("k", cache, [], backend=backend))
+    path = store.dir / row["file"]
+    assert file_header(path)["0.keys"]["dtype"] == "BF16"
+    restored = SnapshotStore(tmp_path / "home").load(row, backend)
+    assert restored.tokens == cache.tokens
+    for a, b in zip(cache.layers, restored.layers, strict=True):
+        assert b.keys.dtype == torch.bfloat16
+        assert torch.equal(a.read(30)[0], b.read(30)[0]) and torch.equal(a.read(30)[1], b.read(30)[1])
+    from_mlx = mx.load(str(path))["0.keys"]
+    assert from_mlx.dtype == mx.bfloat16
+    assert np.array_equal(bits(from_mlx), cache.layers[0].read(30)[0].contiguous().view(torch.int16).numpy().view(np.uint16))
 
 
 # --- the real SmolLM2-135M --------------------------------------------------------------------

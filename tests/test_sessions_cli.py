@@ -1,10 +1,11 @@
 """`agentfold sessions` works on a home written by a real `SessionManager`, without a model.
 
 A tiny random qwen3 engine answers a few real turns into a temporary home; the CLI then lists,
-shows, forks, pins and deletes them through the SQLite index alone, and each effect is checked
-against the manager's own view of the same home (and, for fork / delete, against what the
-manager's own methods do on a copy). The manager must then keep resuming the CLI's fork. Last, the
-quick session bench runs end to end at a small context on the real SmolLM2 and writes full JSON.
+shows, forks, pins and deletes them through the SQLite index alone (`sessions.index`, in a process
+that never imports MLX), and each effect is checked against the manager's own view of the same
+home (and, for fork / delete, against what the manager's own methods do on a copy). The manager
+must then keep resuming the CLI's fork. Last, the quick session bench runs end to end at a small
+context on the real SmolLM2 and writes full JSON.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from agentfold.engine.decode import Engine, GenerationConfig
 from agentfold.engine.factory import build_engine
 from agentfold.kernels import attention
 from agentfold.sessions import SessionManager
-from agentfold.sessions.store import default_home as store_default_home
-from agentfold.sessions_cli import SessionIndex, default_home, main
+from agentfold.sessions.index import SessionIndex, default_home
+from agentfold.sessions_cli import main
 
 try:
     from tests.tiny_models import CORPUS, build_model, loaded_model, make_tokenizer, tiny_config
@@ -196,12 +197,14 @@ def test_runs_without_mlx_in_a_fresh_process(home):
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "no session 'nope'" in done.stderr
 
 
-def test_default_home_is_the_stores(monkeypatch, tmp_path):
+def test_default_home_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("AGENTFOLD_HOME", str(tmp_path / "h"))
-    assert default_home() == store_default_home() == tmp_path / "h"
-    assert SessionIndex().home == tmp_path / "h"
+    assert default_home() == tmp_path / "h"
+    index = SessionIndex(create=False)
+    assert index.home == tmp_path / "h" and index.list_sessions() == [] and index.total_bytes() == 0
+    assert not (tmp_path / "h").exists()  # looking creates nothing
     monkeypatch.delenv("AGENTFOLD_HOME")
-    assert default_home() == store_default_home()
+    assert default_home() == Path("~/.local/share/agentfold").expanduser()
 
 
 # --- the bench ----------------------------------------------------------------------------------

@@ -58,10 +58,10 @@ def completions() -> dict[str, Completion]:
     tokenizer = make_tokenizer()
     config = tiny_config("qwen3", len(tokenizer), layers=1)
     model = build_model(config, seed=100, logit_scale=4.0)
+    draft = perturbed_copy(model, config, seed=7, noise=0.05)  # before the backend makes `model` int8
     backend = MLXBackend(loaded_model(model, tokenizer, config, "tiny"))
     report = check_row_exactness(backend, max_width=4, prompt_length=16)
     assert report.drafting, report.describe()
-    draft = perturbed_copy(model, config, seed=7, noise=0.05)
     drafter = DraftModelDrafter(MLXBackend(loaded_model(draft, tokenizer, config, "tiny-draft")))
     engine = Engine(backend, tokenizer, set(), drafter=drafter, exactness=report)
     engine.controller = PinnedDepth(max_depth=engine.controller.max_depth)

@@ -93,16 +93,26 @@ def smollm2_torch(smollm2_gguf: Path) -> Engine:
 
 
 def test_smollm2_logits_match_mlx(smollm2_gguf, smollm2_torch):
-    mlx = MLXBackend(load_model(smollm2_gguf))
+    """Float weights: the two backends compute the same model. int8 (the default on both): the
+    same integer weights, activations rounded per backend, so close but not bit-equal."""
     prompt = chat_ids(smollm2_torch.tokenizer, "Write a Python function that reverses a string.")
-    ours = smollm2_torch.backend.forward(prompt, smollm2_torch.backend.new_cache())
+    mlx = MLXBackend(load_model(smollm2_gguf), quant="none")
+    torch_float = TorchBackend(load_torch_model(smollm2_gguf, device="cpu"), quant="none")
+    ours = torch_float.forward(prompt, torch_float.new_cache())
     theirs = mlx.forward(prompt, mlx.new_cache())
     assert ours.shape == theirs.shape == (len(prompt), 49152)
     assert float(np.abs(ours - theirs).max()) < 1e-3
     assert np.array_equal(ours.argmax(-1), theirs.argmax(-1))
     config = GenerationConfig(max_tokens=8, draft=False)
     mlx_engine = Engine(mlx, smollm2_torch.tokenizer, smollm2_torch.eos_token_ids)
-    assert smollm2_torch.generate(prompt, config).tokens == mlx_engine.generate(prompt, config).tokens
+    float_engine = Engine(torch_float, smollm2_torch.tokenizer, smollm2_torch.eos_token_ids)
+    assert float_engine.generate(prompt, config).tokens == mlx_engine.generate(prompt, config).tokens
+
+    mlx_int8 = MLXBackend(load_model(smollm2_gguf))
+    a = smollm2_torch.backend.forward(prompt, smollm2_torch.backend.new_cache())
+    b = mlx_int8.forward(prompt, mlx_int8.new_cache())
+    assert float(np.mean(a.argmax(-1) == b.argmax(-1))) > 0.9
+    assert float(np.mean(a.argmax(-1) == theirs.argmax(-1))) > 0.9
 
 
 def test_smollm2_selfcheck_allows_wide_passes(smollm2_torch):
@@ -152,12 +162,19 @@ def tiny_folders(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_tiny_logits_match_mlx_lm(tiny_folders, kind):
-    """mlx-lm's implementation of the same architecture is an independent reference."""
-    ours = TorchBackend(load_torch_model(tiny_folders[kind], device="cpu"))
-    theirs = MLXBackend(load_model(tiny_folders[kind]))
+    """mlx-lm's implementation of the same architecture is an independent reference (float weights
+    on both sides); the int8 arithmetic of both backends stays close to it."""
     tokens = list(range(40, 100))
-    a, b = ours.forward(tokens, ours.new_cache()), theirs.forward(tokens, theirs.new_cache())
+    float_ours = TorchBackend(load_torch_model(tiny_folders[kind], device="cpu"), quant="none")
+    float_theirs = MLXBackend(load_model(tiny_folders[kind]), quant="none")
+    b = float_theirs.forward(tokens, float_theirs.new_cache())
+    a = float_ours.forward(tokens, float_ours.new_cache())
     assert float(np.abs(a - b).max()) < 1e-4 * float(np.abs(b).max())
+    for quantized in (TorchBackend(load_torch_model(tiny_folders[kind], device="cpu")),
+                      MLXBackend(load_model(tiny_folders[kind]))):
+        assert quantized.describe()["linear"].startswith(("int8_linear", "mlx_int8"))
+        c = quantized.forward(tokens, quantized.new_cache())
+        assert float(np.abs(c - b).max()) < 0.05 * float(np.abs(b).max())
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "qwen2_moe"])
@@ -280,7 +297,7 @@ def test_cli_errors_are_one_line(tiny_folders, tmp_path, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("agentfold: error:")]
     assert len(lines) == (3 if not torch.cuda.is_available() else 2)
     assert "'mamba' is not supported" in lines[0]
-    with pytest.raises(ValueError, match="backend must be one of mlx, torch"):
+    with pytest.raises(ValueError, match="backend must be one of auto, mlx, torch"):
         build_engine(tiny_folders["llama"], backend="jax")
 
 

@@ -18,6 +18,15 @@ from agentfold.kernels import torch_cpu
 WIDTHS = range(2, 17)
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Run a test with 1 and with 2 OpenMP threads (a row's arithmetic must not depend on either)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def rows_match_single(fn, x: torch.Tensor, widths=WIDTHS) -> list[int]:
     """The widths at which some row of fn(x[:w]) differs from fn on that row alone."""
     single = [fn(x[i : i + 1].clone()) for i in range(x.shape[0])]
@@ -61,7 +70,7 @@ def test_block_rows_cuts_wide_passes():
 
 
 @pytest.mark.parametrize("width", [4, 64, 576, 40000])
-def test_rowwise_ops_are_row_exact(width):
+def test_rowwise_ops_are_row_exact(width, threads):
     x = probe(16, width) * 3
     weight = probe(1, width, seed=3)[0]
     assert rows_match_single(lambda rows: torch_cpu.rms_norm(rows, weight, 1e-6), x) == []
@@ -72,7 +81,7 @@ def test_rowwise_ops_are_row_exact(width):
     assert torch.allclose(torch_cpu.rms_norm(x, weight, 1e-6), expected, atol=1e-5)
 
 
-def test_rms_norm_of_per_head_rows():
+def test_rms_norm_of_per_head_rows(threads):
     """Qwen3's q/k norms see tokens x heads rows (512 for 16 tokens of 32 heads): still row-exact."""
     x = probe(16 * 32, 128) * 3
     weight = probe(1, 128, seed=3)[0]
@@ -83,7 +92,7 @@ def test_rms_norm_of_per_head_rows():
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (4, 4)])
-def test_attention_rows_equal_one_row_steps(heads, kv_heads):
+def test_attention_rows_equal_one_row_steps(heads, kv_heads, threads):
     """Query row i of a pass at positions start..start+m sees keys 0..start+i, like the step at start+i."""
     d, start, capacity = 64, 37, 256
     keys = probe(kv_heads * capacity, d, seed=4).view(kv_heads, capacity, d)

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import agentfold  # noqa: F401  (fast BLAS before mlx)
+from agentfold.cli_args import add_model_args
 from agentfold.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
@@ -29,13 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `serve` on the `agentfold` command's subparsers."""
     parser = subparsers.add_parser("serve", help="serve the model over HTTP (OpenAI, Responses, Anthropic APIs)",
                                    description="Serve one local model to coding assistants over HTTP.")
-    parser.add_argument("--model", help="GGUF file or MLX/Hugging Face folder (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "keep"],
-                        help="weights dtype after loading (default float32, fastest on CPU; torch on CUDA: bfloat16)")
-    parser.add_argument("--backend", default="mlx", choices=["mlx", "torch"],
-                        help="mlx (default) or torch (PyTorch, CPU or CUDA: pip install 'agentfold[torch]')")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="torch backend device (auto: cuda if visible)")
+    add_model_args(parser)
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     parser.add_argument("--drafter", default="suffix", choices=["suffix", "draft-model", "none"],
@@ -102,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from agentfold.engine.factory import build_engine
-    from agentfold.models import resolve
+    from agentfold.models import resolve, verdict_file
     from agentfold.runtime import Runtime
     from agentfold.service import Service, build_app
 
@@ -122,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
     _progress(f"loading {path}")
     engine = build_engine(path, dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
-                          progress=_progress, backend=args.backend, device=args.device)
+                          progress=_progress, backend=args.backend, device=args.device, quant=args.quant,
+                          verdicts=verdict_file())
     name = engine.backend.loaded.name
     runtime = Runtime(engine, name, aliases=[*args.alias, *default_aliases(name)], max_active=args.max_active,
                       max_queue=args.max_queue)

@@ -359,7 +359,7 @@ def plan_cuts(runtime: Runtime, messages: list[dict[str, Any]], tools: Sequence[
 
 
 def _instructions(plan: ChatPlan) -> str:
-    """The strong instruction for forced calls and JSON output, appended as the last user text."""
+    """The strong instruction for forced calls and JSON output, a user turn after the conversation."""
     choice = plan.tool_choice
     if isinstance(choice, dict):
         return (f"You must now call the function {choice['name']!r}: answer only with a <tool_call> block "
@@ -396,11 +396,9 @@ def prepare(runtime: Runtime, plan: ChatPlan, api: str, request: Request,
             raise ApiError("'prompt' is empty; send some text.", param="prompt")
     else:
         messages = list(plan.messages)
-        note = _instructions(plan)
-        if note:
-            messages.append({"role": "user", "content": note})
+        note = _instructions(plan)  # after the shared history, outside it: the next turn reuses the cache
         try:
-            text = render_chat(runtime.tokenizer, messages, plan.tools or None)
+            text = render_chat(runtime.tokenizer, messages, plan.tools or None, trailing=note or None)
         except Exception as error:  # jinja errors of the model's own template
             raise ApiError(f"The model's chat template cannot render these messages: {error}") from error
         prefix = ""

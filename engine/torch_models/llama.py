@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.int8_linear import Int8Weight
 from . import ops
 from .cache import LayerCache
 
@@ -80,9 +81,10 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(outputs, inputs), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(outputs), requires_grad=False) if bias else None
+        self.int8: Int8Weight | None = None  # set by `quantize.int8_weights`: the weight ops.linear uses
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.int8 if self.int8 is not None else self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -155,14 +157,17 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, hidden, args.o_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.qkv: Fused | None = None  # q, k, v in one GEMM (int8 weights: one quantization of x)
 
     def forward(self, x: torch.Tensor, cache: LayerCache, start: int, positions: torch.Tensor,
                 rope: Rope) -> torch.Tensor:
         """x [m, hidden] at positions start..start+m (`positions`: the same, as a device tensor)."""
         m, d = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(m, self.heads, d)
-        k = self.k_proj(x).view(m, self.kv_heads, d)
-        v = self.v_proj(x).view(m, self.kv_heads, d)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(m, self.heads, d), k.view(m, self.kv_heads, d), v.view(m, self.kv_heads, d)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, d)).view(m, self.heads, d)
             k = self.k_norm(k.reshape(-1, d)).view(m, self.kv_heads, d)
@@ -181,9 +186,29 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias)
         self.up_proj = Linear(hidden, intermediate, bias)
         self.down_proj = Linear(intermediate, hidden, bias)
+        self.gate_up: Fused | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(ops.silu(gate) * up)
+
+
+class Fused(nn.Module):
+    """Linears that read the same input, as one GEMM whose output columns are split afterwards."""
+
+    def __init__(self, linears: list[Linear], weight: Int8Weight | torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+        self.sizes = [linear.weight.shape[0] if linear.int8 is None else linear.int8.shape[0] for linear in linears]
+        biases = [linear.bias for linear in linears]
+        if all(b is None for b in biases):
+            self.bias = None
+        else:
+            self.bias = torch.cat([b if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes,
+                                                                                        strict=True)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(ops.linear(x, self.weight, self.bias), self.sizes, dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -222,6 +247,7 @@ class Transformer(nn.Module):
         self.model = Backbone(args, layers)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
         self.rope = Rope(args.head_dim, args.rope_theta)
+        self.head_int8: Int8Weight | None = None  # the output head as int8 (tied heads too)
 
     def make_cache(self) -> list[LayerCache]:
         weight = self.model.embed_tokens.weight
@@ -238,4 +264,6 @@ class Transformer(nn.Module):
         if not logits:
             return None
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        if self.head_int8 is not None:
+            head = self.head_int8
         return ops.linear(self.model.norm(h), head).float()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import torch_cpu
+from ...kernels import int8_linear, torch_cpu
+from ...kernels.int8_linear import Int8Weight
 
 
 def _triton():
@@ -21,8 +22,11 @@ def _triton():
     return triton_ops
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, k] @ weight[n, k].T (+ bias) -> [m, n]."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ weight[n, k].T (+ bias) -> [m, n]; int8 weights run the integer GEMM (exact by construction)."""
+    if isinstance(weight, Int8Weight):
+        y = int8_linear.linear(x, weight, bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
     y = _triton().linear(x, weight) if x.is_cuda else torch_cpu.linear(x, weight)
     return y + bias if bias is not None else y
 

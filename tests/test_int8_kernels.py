@@ -1,0 +1,129 @@
+"""Row-exactness by construction: the int8 linear layers (torch and MLX) at widths 1..16.
+
+Shapes are odd on purpose (K and N not multiples of any tile or vector width; K past the MLX
+chunk of 1024), activations carry outliers like a real model's, and every check runs with 1 and
+2 BLAS / OpenMP threads. Row i of an m-row call must have exactly the bits of a one-row call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+import agentfold  # noqa: F401  (fast BLAS before mlx)
+from agentfold.kernels import int8_linear, int8_rows
+
+SHAPES = [(77, 33), (577, 129), (1537, 211), (2049, 67)]  # (K, N)
+WIDTH = 16
+
+
+def activations(k: int, seed: int) -> np.ndarray:
+    """16 rows of float32 activations with a few large outlier channels, as in real models."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((WIDTH, k)).astype(np.float32)
+    x[:, rng.integers(0, k, 3)] *= 60.0
+    return x
+
+
+def first_inexact_width(run: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> int | None:
+    """The first width m at which some row of an m-row call differs from its one-row call."""
+    single = [run(x[i : i + 1])[0] for i in range(x.shape[0])]
+    for m in range(2, x.shape[0] + 1):
+        out = run(x[:m])
+        if not all(np.array_equal(out[i], single[i]) for i in range(m)):
+            return m
+    return None
+
+
+def test_the_checker_catches_a_row_dependent_kernel():
+    """A kernel whose rows depend on the pass height must be flagged (the check can fail)."""
+    w = np.random.default_rng(0).standard_normal((33, 77)).astype(np.float32)
+
+    def height_dependent(x: np.ndarray) -> np.ndarray:
+        return (x @ w.T) * np.float32(1 + 1e-6 * x.shape[0])
+
+    assert first_inexact_width(height_dependent, activations(77, 0)) == 2
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("native", [True, False])
+def test_torch_int8_linear_is_row_exact(threads, native, monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    if not native:
+        monkeypatch.setattr(int8_rows, "library", lambda: None)
+    try:
+        for index, (k, n) in enumerate(SHAPES):
+            weight = int8_linear.quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(index)))
+            bias = torch.randn(n, generator=torch.Generator().manual_seed(99))
+            x = activations(k, index)
+
+            def run(rows: np.ndarray, weight=weight, bias=bias) -> np.ndarray:
+                return int8_linear.linear(torch.from_numpy(rows.copy()), weight, bias).numpy()
+
+            assert first_inexact_width(run, x) is None, (k, n, threads, native)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_native_helpers_give_the_torch_ops_bits(monkeypatch):
+    if int8_rows.library() is None:
+        pytest.skip("no C compiler here: the torch-op path is the only one")
+    for index, (k, n) in enumerate(SHAPES):
+        weight = int8_linear.quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(index)))
+        x = torch.from_numpy(activations(k, index + 10))
+        native = int8_linear.linear(x, weight)
+        monkeypatch.setattr(int8_rows, "library", lambda: None)
+        reference = int8_linear.linear(x, weight)
+        monkeypatch.undo()
+        assert torch.equal(native, reference), (k, n)
+
+
+def test_int8_weights_track_the_float_layer():
+    """Quantization error is small: this is the same layer, not another function."""
+    k, n = 577, 129
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(3))
+    x = torch.from_numpy(activations(k, 3))
+    exact = x @ w.T
+    approx = int8_linear.linear(x, int8_linear.quantize_weight(w))
+    assert float((approx - exact).abs().max()) < 0.02 * float(exact.abs().max())
+
+
+MLX_CHECK = """
+import json, sys
+import numpy as np
+import agentfold
+import mlx.core as mx
+from agentfold.kernels import mlx_int8
+sys.path.insert(0, {tests!r})
+from test_int8_kernels import SHAPES, activations, first_inexact_width
+failures = []
+for index, (k, n) in enumerate(SHAPES):
+    w = mx.array(np.random.default_rng(index).standard_normal((n, k)).astype(np.float32))
+    layer = mlx_int8.ExactLinear(w, mx.array(np.linspace(-1, 1, n).astype(np.float32)))
+    run = lambda rows: np.array(layer(mx.array(rows)))
+    failures.append(first_inexact_width(run, activations(k, index)))
+x = mx.array(activations(577, 5))
+plain, fused = mlx_int8.quantize_rows(x), mlx_int8._quantize_compiled(x)
+same = [bool(np.array_equal(np.array(a), np.array(b))) for a, b in zip(plain, fused)]
+print(json.dumps({{"failures": failures, "blas": agentfold.BLAS.name, "compiled_equals_plain": same}}))
+"""
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_mlx_int8_linear_is_row_exact(threads):
+    """MLX's float32 GEMM (OpenBLAS here) on integer-valued operands, each thread count in its own process."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads}
+    script = MLX_CHECK.format(tests=os.path.dirname(__file__))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["failures"] == [None] * len(SHAPES), result
+    assert result["compiled_equals_plain"] == [True, True], result
