@@ -70,7 +70,7 @@ TOOLS = [
         "parameters": {"type": "object", "properties": {"module": {"type": "string"}}, "required": ["module"]}}},
 ]
 
-Counter = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], int]
+Counter = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None, str | None], int]
 
 
 # -- picking real code --------------------------------------------------------------------------
@@ -236,13 +236,19 @@ def pad_to_context(plan: dict[str, Any], context: int, seed: int, encode: Callab
                    decode: Callable[[list[int]], str], count: Counter) -> dict[str, Any]:
     """`plan` with a system message of open files sized so the first prompt is about `context` tokens.
 
-    `encode` / `decode` are the model's tokenizer (no special tokens); `count(messages, tools)` is the
-    prompt length the server will see. The result records the target and the prompt it reached.
+    `encode` / `decode` are the model's tokenizer (no special tokens); `count(messages, tools, trailing)` is
+    the prompt length the server will see. The result records the target and the prompt it reached.
     """
+    from .runtime import trailing_instruction
+
     exclude = [plan["source"]["file"]] if plan.get("source") else []
     files = filler_files(seed, f"{plan['name']}:{context}", exclude)
     tools = plan.get("tools")
-    base = count(first_messages(plan, SYSTEM_INTRO), tools)
+    choice = plan["turns"][0].get("tool_choice")
+    if isinstance(choice, dict):  # the OpenAI shape; the server's instruction names the function
+        choice = {"name": choice["function"]["name"]}
+    trailing = trailing_instruction(choice) or None  # a forced first call's instruction is in the prompt too
+    base = count(first_messages(plan, SYSTEM_INTRO), tools, trailing)
     need = context - base
     text, used = "", []
     for path in files:  # a little more text than needed, then cut at a token boundary
@@ -255,7 +261,7 @@ def pad_to_context(plan: dict[str, Any], context: int, seed: int, encode: Callab
     system = SYSTEM_INTRO
     for _ in range(3):  # re-tokenizing a cut can shift the count by a few tokens: correct twice
         system = SYSTEM_INTRO + (decode(ids[:take]) if take else "")
-        reached = count(first_messages(plan, system), tools)
+        reached = count(first_messages(plan, system), tools, trailing)
         if reached == context or take == 0:
             break
         take = max(0, min(len(ids), take + context - reached))
@@ -271,8 +277,9 @@ def build_sessions(seed: int, context: int, tokenizer: Any, quick: bool = False,
     """The sessions of `kinds` for one context size, padded with `tokenizer` (deterministic per seed)."""
     from .runtime import render_chat
 
-    def count(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-        return len(tokenizer.encode(render_chat(tokenizer, messages, tools), add_special_tokens=False))
+    def count(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, trailing: str | None) -> int:
+        text = render_chat(tokenizer, messages, tools, trailing=trailing)
+        return len(tokenizer.encode(text, add_special_tokens=False))
 
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))

@@ -534,6 +534,23 @@ def template_knows_tools(tokenizer) -> bool:
     return "tools" in template
 
 
+def trailing_instruction(choice: str | dict[str, Any] | None, fmt: dict[str, Any] | None = None) -> str:
+    """The server's instruction for a forced call (`choice`: "required" or `{"name": ...}`) or JSON
+    output (`fmt`: a response_format), rendered by `render_chat(trailing=...)`; "" when none applies.
+    """
+    if isinstance(choice, dict):
+        return (f"You must now call the function {choice['name']!r}: answer only with a <tool_call> block "
+                "holding its name and JSON arguments.")
+    if choice == "required":
+        return "You must now call one of the provided functions: answer only with <tool_call> blocks."
+    if fmt and fmt.get("type") == "json_object":
+        return "Answer with a single valid JSON object and nothing else."
+    if fmt and fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or fmt).get("schema")
+        return "Answer with a single valid JSON value matching this JSON schema, and nothing else:\n" + json.dumps(schema)
+    return ""
+
+
 def render_chat(tokenizer, messages: Sequence[dict[str, Any]], tools: Sequence[ToolSpec | dict] | None = None,
                 add_generation_prompt: bool = True, trailing: str | None = None) -> str:
     """The prompt text for `messages` (OpenAI chat shape) with the tokenizer's chat template.

@@ -67,13 +67,33 @@ def _ll_tokenizer(tokenizer: Any) -> Any:
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def declared_only(schema: Any) -> Any:
+    """`schema` where every object that lists `properties` and says nothing of `additionalProperties`
+    admits only those properties (OpenAI's strict function calling; nested schemas too).
+
+    JSON Schema's default admits any extra key, and a small model under the mask then fills the
+    arguments with the schema's own words (`"type": "object", "properties": ...`) until max_tokens.
+    A schema that sets `additionalProperties` keeps its choice.
+    """
+    if isinstance(schema, list):
+        return [declared_only(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: (value if key in ("const", "enum", "default", "examples") else declared_only(value))
+           for key, value in schema.items()}
+    if isinstance(schema.get("properties"), dict):
+        out["properties"] = {name: declared_only(sub) for name, sub in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
+
+
 def tool_call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     """JSON schema of one `{"name": ..., "arguments": {...}}` call to an OpenAI-style function tool."""
     function = tool.get("function", tool)
     parameters = function.get("parameters") or function.get("input_schema") or {"type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "properties": {"name": {"const": function["name"]}, "arguments": declared_only(parameters)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

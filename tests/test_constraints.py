@@ -50,3 +50,27 @@ def test_json_object_mode(smollm2_engine):
         assert isinstance(json.loads(completion.text), dict)
     else:  # cut by max_tokens: still a valid prefix of an object
         assert completion.text.lstrip().startswith("{")
+
+
+def test_arguments_hold_only_declared_parameters():
+    """A schema silent on additionalProperties admits only its declared keys (OpenAI strict calls)."""
+    import llguidance
+
+    loose = {"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"},
+                                         "range": {"type": "object", "properties": {"start": {"type": "integer"}}}},
+        "required": ["path"]}}}
+    open_ended = {"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "additionalProperties": True}}}
+
+    def accepts(tool: dict, body: str) -> bool:
+        grammar = tool_call_grammar([tool], name="read_file", parallel=False)
+        tokenizer = llguidance.LLTokenizer("byte")
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        ok = all(matcher.consume_token(t) for t in tokenizer.tokenize_str(f"<tool_call>\n{body}\n</tool_call>"))
+        return ok and not matcher.is_error()
+
+    assert accepts(loose, '{"name": "read_file", "arguments": {"path": "a.py", "range": {"start": 3}}}')
+    assert not accepts(loose, '{"name": "read_file", "arguments": {"path": "a.py", "type": "object"}}')
+    assert not accepts(loose, '{"name": "read_file", "arguments": {"path": "a.py", "range": {"end": 3}}}')
+    assert accepts(open_ended, '{"name": "read_file", "arguments": {"path": "a.py", "type": "object"}}')

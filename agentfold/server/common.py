@@ -40,6 +40,7 @@ from agentfold.runtime import (
     Turn,
     TurnRequest,
     render_chat,
+    trailing_instruction,
 )
 from agentfold.sessions.ids import check_session_id
 from agentfold.sessions.manager import assistant_cuts
@@ -360,19 +361,7 @@ def plan_cuts(runtime: Runtime, messages: list[dict[str, Any]], tools: Sequence[
 
 def _instructions(plan: ChatPlan) -> str:
     """The strong instruction for forced calls and JSON output, a user turn after the conversation."""
-    choice = plan.tool_choice
-    if isinstance(choice, dict):
-        return (f"You must now call the function {choice['name']!r}: answer only with a <tool_call> block "
-                "holding its name and JSON arguments.")
-    if choice == "required":
-        return "You must now call one of the provided functions: answer only with <tool_call> blocks."
-    fmt = plan.response_format
-    if fmt and fmt.get("type") == "json_object":
-        return "Answer with a single valid JSON object and nothing else."
-    if fmt and fmt.get("type") == "json_schema":
-        schema = (fmt.get("json_schema") or fmt).get("schema")
-        return "Answer with a single valid JSON value matching this JSON schema, and nothing else:\n" + json.dumps(schema)
-    return ""
+    return trailing_instruction(plan.tool_choice, plan.response_format)
 
 
 def prepare(runtime: Runtime, plan: ChatPlan, api: str, request: Request,
