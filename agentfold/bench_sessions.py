@@ -194,8 +194,9 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     first: list[float] = []
     generate = engine.generate
 
-    def timed_generate(prompt: Sequence[int], config: Any, cache: Any = None, cuts: Sequence[int] = ()) -> Any:
-        generation = engine.stream(prompt, config, cache, cuts)
+    def timed_generate(prompt: Sequence[int], config: Any, cache: Any = None, cuts: Sequence[int] = (),
+                       on_prefill: Any = None) -> Any:
+        generation = engine.stream(prompt, config, cache, cuts, on_prefill)
         for delta in generation:
             if delta.tokens and not first:
                 first.append(time.perf_counter())

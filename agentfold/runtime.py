@@ -74,6 +74,7 @@ class TurnRequest:
     model: str = ""  # the name the client asked for
     cache: Any = None  # agentfold.engine.backend.CacheState restored by a session hook, or None
     cuts: tuple[int, ...] = ()
+    on_prefill: Callable[[Any], None] | None = None  # called after each prefill chunk (session snapshots)
     meta: dict[str, Any] = field(default_factory=dict)  # free-form, for hooks
 
 
@@ -111,6 +112,7 @@ class Turn:
         self.mismatch_position: int | None = None
         self.extra: dict[str, Any] = {}
         self.passes = 0  # verify passes the worker ran for this turn
+        self.prefill_passes = 0  # prefill chunks, each scheduled like a verify pass
         self.passes_at_cancel: int | None = None  # `passes` when cancel() was first called
         self._cancel = threading.Event()
         self._iter: Iterator[Delta] | None = None
@@ -304,7 +306,8 @@ class Runtime:
     # -- worker -----------------------------------------------------------------------------------
     def _start(self, request: TurnRequest) -> Generation:
         """Create the generation for a request: the single point to extend."""
-        return self.engine.stream(request.prompt, request.config, cache=request.cache, cuts=request.cuts)
+        return self.engine.stream(request.prompt, request.config, cache=request.cache, cuts=request.cuts,
+                                  on_prefill=request.on_prefill)
 
     def _run(self) -> None:
         while True:
@@ -346,10 +349,13 @@ class Runtime:
                 turn._iter = iter(turn.generation)
             try:
                 delta = next(turn._iter)
-                turn.passes += 1
             except StopIteration:
                 turn.completion = turn.generation.completion
                 return self._after_reply(turn)
+            if not delta.tokens:  # a prefill chunk: other replies get their pass before the next one
+                turn.prefill_passes += 1
+                return True
+            turn.passes += 1
             if turn.first_delta_at is None:
                 turn.first_delta_at = time.perf_counter()
             turn._put(delta)

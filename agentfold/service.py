@@ -1,7 +1,8 @@
 """One serving process: runtime + sessions + telemetry + metrics + audits, wired by the runtime's hooks.
 
-- `before_turn` (worker thread): restore the longest usable snapshot of the prompt and prefill
-  up to the start of the reply (SessionManager.prepare), so the engine only decodes.
+- `before_turn` (worker thread): restore the longest usable snapshot of the prompt
+  (SessionManager.restore); the engine prefills the rest in chunks the runtime schedules like
+  verify passes, and the session layer snapshots the cache where the reply starts.
 - `after_turn` (worker thread): record the turn in its session, build its TurnRecord (with the
   inputs an audit needs to replay it), write it to SQLite (writer thread) and to /metrics.
 - `after_response` (event loop): the API-level finish reason and tool-call count, re-recorded.
@@ -118,11 +119,12 @@ class Service:
         if self.sessions is None or request.meta.get("no_session") or request.cache is not None:
             return
         try:
-            prepared = self.sessions.prepare(request.prompt, request.session_id, request.cuts)
+            prepared = self.sessions.restore(request.prompt, request.session_id, request.cuts)
         except (OSError, sqlite3.Error) as error:  # disk full / read-only: the reply is the same without it
             log.warning("session store failed (%s): turn %s runs without its session cache", error, turn.id)
             return
         request.cache, request.cuts, request.session_id = prepared.cache, tuple(prepared.cuts), prepared.session_id
+        request.on_prefill = prepared.snapshot_at_reply  # the engine's prefill chunks are scheduled passes
         turn.extra["prepared"] = prepared
 
     def _after_turn(self, turn: Turn) -> None:

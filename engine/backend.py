@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -22,29 +21,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from ..kernels import attention, mlx_int8
 from .cache_layout import CacheLayoutError, array_name, bits_dtype, mark_bits, tokens_array, tokens_of
 from .loader import LoadedModel
+from .protocol import CacheState, Checkpoint
 
-
-@dataclass
-class CacheState:
-    """A conversation's cache: per-layer mlx-lm caches and the tokens they hold."""
-
-    layers: list[Any]
-    tokens: list[int] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    def nbytes(self) -> int:
-        return sum(int(getattr(layer, "nbytes", 0)) for layer in self.layers)
-
-
-@dataclass
-class Checkpoint:
-    """What a pass may have to undo: the recurrent layers' arrays and the token count."""
-
-    length: int
-    recurrent: dict[int, list[Any]]
+__all__ = ["CacheState", "Checkpoint", "MLXBackend", "resolve_quant"]
 
 
 class MLXBackend:

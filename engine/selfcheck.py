@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import MLXBackend
+from .protocol import Backend
 
 
 @dataclass
@@ -50,7 +50,7 @@ def probe_tokens(vocab_size: int, count: int) -> list[int]:
     return [int(t) for t in rng.integers(low, vocab_size, size=count)]
 
 
-def check_row_exactness(backend: MLXBackend, max_width: int = 16, prompt_length: int = 40) -> ExactnessReport:
+def check_row_exactness(backend: Backend, max_width: int = 16, prompt_length: int = 40) -> ExactnessReport:
     started = time.perf_counter()
     vocab = backend.vocab_size or 1000
     tokens = probe_tokens(vocab, prompt_length + max_width + 1)

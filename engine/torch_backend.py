@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .backend import CacheState, Checkpoint
 from .cache_layout import CacheLayoutError, array_name, bits_dtype, mark_bits, tokens_array, tokens_of
 from .loader import LoadedModel
+from .protocol import CacheState, Checkpoint
 from .torch_models import ops, quantize
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.backend import CacheState
 from ..engine.decode import Completion, Engine, GenerationConfig
+from ..engine.protocol import CacheState
 from .ids import check_session_id
 from .snapshots import DEFAULT_BUDGET, DEFAULT_HOT_BYTES, LAYOUT_VERSION, SnapshotError, SnapshotStore
 
@@ -94,7 +94,11 @@ def assistant_cuts(encode_head: Callable[[Sequence[Message]], list[int]], messag
 
 @dataclass
 class PreparedTurn:
-    """A turn restored and prefilled up to its reply's start, ready to decode."""
+    """A turn restored from its longest usable snapshot, ready for the engine to prefill and decode.
+
+    Pass `snapshot_at_reply` to the engine as `on_prefill`: it stores the cache once the prefill
+    reaches `target` (the start of this reply), the state the next turn restores.
+    """
 
     prompt: list[int]
     cuts: list[int]
@@ -105,7 +109,13 @@ class PreparedTurn:
     saved: str | None
     reasons: list[str]
     restore_seconds: float
-    prefill_seconds: float
+    target: int = 0  # the plan's last cut: where this reply starts and its snapshot is taken
+    boundaries: list[int] = field(default_factory=list)  # the plan's cuts before `target`
+    save: Callable[[CacheState, list[int], str | None, list[str]], str | None] | None = None
+
+    def snapshot_at_reply(self, cache: CacheState) -> None:
+        if self.save is not None and cache.length == self.target and self.saved is None:
+            self.saved = self.save(cache, self.boundaries, self.used, self.reasons)
 
 
 class SessionManager:
@@ -140,17 +150,18 @@ class SessionManager:
         Same bytes as a fresh manager with an empty store; only the prefill work differs.
         """
         with self._lock:
-            prepared = self.prepare(request, session_id, cuts)
+            prepared = self.restore(request, session_id, cuts)
             completion = self.engine.generate(prepared.prompt, config or GenerationConfig(), prepared.cache,
-                                              prepared.cuts)
+                                              prepared.cuts, on_prefill=prepared.snapshot_at_reply)
             return completion, self.finish(prepared, completion)
 
-    def prepare(self, request: Sequence[Message] | Sequence[int], session_id: str | None = None,
+    def restore(self, request: Sequence[Message] | Sequence[int], session_id: str | None = None,
                 cuts: Sequence[int] = ()) -> PreparedTurn:
-        """Restore the longest usable snapshot and prefill up to this reply's start (snapshotting it).
+        """The longest usable snapshot of this prompt, restored; the engine prefills the rest.
 
-        The caller decodes from `prepared.cache` with `prepared.cuts`, then calls `finish`. Split
-        this way, a scheduler can run many prepared turns between its own passes.
+        The caller streams from `prepared.cache` with `prepared.cuts` and
+        `on_prefill=prepared.snapshot_at_reply`, then calls `finish`. Split this way, a
+        scheduler runs the prefill chunks as passes between other replies' passes.
         """
         if request and isinstance(request[0], dict):
             prompt, cuts = self.render(request)  # type: ignore[arg-type]
@@ -163,25 +174,16 @@ class SessionManager:
         started = time.perf_counter()
         plan = self.engine.plan(0, len(prompt) - 1, cuts)  # where a fresh prefill stops
         cache, used, reasons = self._restore(prompt, plan, session_id)
-        restore_seconds = time.perf_counter() - started
-        cached = cache.length
         target = plan[-1] if plan else 0  # the last cut: the start of this reply
-        saved = used if used and cached == target else None
-        if target > cached:
-            self.engine.backend.prefill(prompt[cached:target], cache, self.engine.plan(cached, target, cuts))
-            saved = self._save(cache, [b for b in plan if b < target], used, reasons)
-        prefill_seconds = time.perf_counter() - started - restore_seconds
-        return PreparedTurn(prompt, list(cuts), cache, session_id, cached, used, saved, reasons,
-                            restore_seconds, prefill_seconds)
+        saved = used if used and cache.length == target else None
+        return PreparedTurn(prompt, list(cuts), cache, session_id, cache.length, used, saved, reasons,
+                            time.perf_counter() - started, target, [b for b in plan if b < target], self._save)
 
     def finish(self, prepared: PreparedTurn, completion: Completion) -> TurnInfo:
-        """Record the turn and fold the restore / pre-decode prefill time into its stats."""
+        """Record the turn and fold the restore time (before the engine started) into its stats."""
         stats = completion.stats
-        before = prepared.restore_seconds + prepared.prefill_seconds
-        stats.cached_tokens, stats.prefilled_tokens = prepared.cached, len(prepared.prompt) - prepared.cached
-        stats.prefill_seconds += prepared.prefill_seconds
-        stats.ttft_seconds += before
-        stats.total_seconds += before
+        stats.ttft_seconds += prepared.restore_seconds
+        stats.total_seconds += prepared.restore_seconds
         index = self._record(prepared.session_id, len(prepared.prompt), len(completion.tokens),
                              prepared.saved or prepared.used)
         return TurnInfo(prepared.session_id, index, len(prepared.prompt), prepared.cached, prepared.used,

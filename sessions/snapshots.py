@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import safetensors
@@ -40,7 +40,7 @@ from ..engine.cache_layout import BITS, array_name, mark_bits, split_name
 from .index import SessionIndex
 
 if TYPE_CHECKING:
-    from ..engine.backend import CacheState
+    from ..engine.protocol import Backend, CacheState
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +56,6 @@ _NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "U64": "<u8", 
 
 class SnapshotError(Exception):
     """A snapshot cannot be written or restored; the message is the reason reported."""
-
-
-class SnapshotBackend(Protocol):
-    """What the store needs of a backend (`engine.backend.MLXBackend`, `engine.torch_backend.TorchBackend`).
-
-    `arrays_to_cache` copies what it keeps (the store's hot copy is handed to every restore) and
-    raises `engine.cache_layout.CacheLayoutError` (a ValueError) when the arrays do not fit.
-    """
-
-    def cache_to_arrays(self, cache: CacheState) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]: ...
-
-    def arrays_to_cache(self, arrays: Mapping[str, np.ndarray], layout: list[dict[str, Any]]) -> CacheState: ...
 
 
 def tokens_sha(tokens: Sequence[int]) -> str:
@@ -159,7 +147,7 @@ class SnapshotStore:
     # --- write ---
 
     def save(self, key: str, cache: CacheState, boundaries: Sequence[int], parent: str | None = None, *,
-             backend: SnapshotBackend) -> str:
+             backend: Backend) -> str:
         """Write `cache` (built on the prefill `boundaries` below its length); returns its id.
 
         The id is a hash of key, tokens and boundaries, so the same state is stored once.
@@ -246,7 +234,7 @@ class SnapshotStore:
         usable.sort(key=lambda r: (r["token_count"], r["last_used"]), reverse=True)
         return usable, other_key
 
-    def load(self, row: dict[str, Any], backend: SnapshotBackend) -> CacheState:
+    def load(self, row: dict[str, Any], backend: Backend) -> CacheState:
         """The cache of a snapshot row, verified first; raises SnapshotError with the reason."""
         path = self.dir / row["file"]
         hot = self._hot.get(row["id"])

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 
-from agentfold.engine.decode import GenerationConfig
+from agentfold.engine.decode import Engine, GenerationConfig
 from agentfold.engine.sampler import SamplingParams
 from agentfold.runtime import (
     Runtime,
@@ -200,3 +201,28 @@ def test_audit_and_hooks(smollm2_engine, references):
         assert runtime.submit(TurnRequest(ids[2], GenerationConfig(max_tokens=10))).result(60).tokens == expected[2]
     finally:
         runtime.close()
+
+
+def test_a_long_prefill_runs_in_scheduled_chunks(smollm2_engine, references):
+    """A long prompt's prefill is one pass per chunk: a short turn submitted after it finishes first,
+    and both replies equal their solo serial runs (the chunks are the plan's, whoever runs between)."""
+    ids, expected = references
+    chunked = Engine(smollm2_engine.backend, smollm2_engine.tokenizer, smollm2_engine.eos_token_ids,
+                     drafter=smollm2_engine.drafter, exactness=smollm2_engine.exactness, chunk_size=64)
+    source = Path(__file__).read_text()[:5000]
+    long_ids = chat_ids(chunked.tokenizer, "Repeat the first test function above exactly.", system=source)
+    assert len(long_ids) > 16 * chunked.chunk_size
+    config = GenerationConfig(max_tokens=24)
+    solo = chunked.generate(long_ids, GenerationConfig(max_tokens=24, draft=False))
+    runtime = Runtime(chunked, "m", max_active=2)
+    try:
+        long_turn = runtime.submit(TurnRequest(long_ids, config))
+        short_turn = runtime.submit(TurnRequest(ids[1], GenerationConfig(max_tokens=10)))
+        assert short_turn.result(timeout=120).tokens == expected[1]
+        drafted = long_turn.result(timeout=300)
+    finally:
+        runtime.close()
+    assert drafted.tokens == solo.tokens and drafted.stats.drafted > 0
+    assert long_turn.prefill_passes == len(chunked.plan(0, len(long_ids) - 1)) + 1
+    assert short_turn.finished_at < long_turn.first_delta_at  # it ran between the long prefill's chunks
+    assert drafted.stats.prefill_seconds < drafted.stats.ttft_seconds  # its own chunks, not the waits

@@ -14,6 +14,7 @@ import agentfold  # noqa: F401  (before mlx.core: picks the BLAS)
 # isort: split
 import httpx
 import httpx2
+import numpy as np
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -266,7 +267,11 @@ async def test_check_exactness_catches_a_broken_drafter(service, mcp, monkeypatc
     engine = service.engine
     monkeypatch.setattr(engine, "drafter", NoiseDrafter(len(engine.tokenizer), seed=1))
     monkeypatch.setattr(engine, "controller", PinnedDepth(max_depth=4))
-    monkeypatch.setattr(engine, "unverified_commit", True)  # commit drafts without verifying: wrong on purpose
+
+    def commit_unchecked(logits, drafts, base, params, constraint, stats):  # wrong on purpose
+        return [*drafts, int(np.argmax(logits[len(drafts)]))]
+
+    monkeypatch.setattr(engine, "_verify", commit_unchecked)  # the broken decode loop audits must catch
     async with Client(mcp) as client:
         result = await call(client, "check_exactness", {"prompt": "The capital of France is", "max_tokens": 8})
     assert result["equal"] is False and result["mismatch_position"] is not None
@@ -276,7 +281,7 @@ async def test_check_exactness_catches_a_broken_drafter(service, mcp, monkeypatc
 
 async def test_restored_engine_drafts_exactly_again(service, smollm2_engine):
     """The broken-drafter test above must leave the shared engine as it found it."""
-    assert not smollm2_engine.unverified_commit
+    assert "_verify" not in vars(smollm2_engine)
     assert not isinstance(smollm2_engine.drafter, NoiseDrafter)
 
 

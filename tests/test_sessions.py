@@ -399,7 +399,7 @@ def source_excerpt(tokenizer, module: str, start: int, count: int) -> str:
 
 def real_users(tokenizer) -> list[str]:
     """Five user turns: a module excerpt, three short questions, then a long excerpt (the plan
-    crosses the 2048 chunk boundary in the last turn). Short early turns keep the fresh side cheap."""
+    crosses several chunks of the grid in the last turn). Short early turns keep the fresh side cheap."""
     return [
         "Review this code:\n```python\n" + source_excerpt(tokenizer, "textwrap", 0, 120) + "\n```",
         "And this?\n```python\n" + source_excerpt(tokenizer, "fnmatch", 100, 30) + "\n```",

@@ -325,3 +325,24 @@ def test_cuda_bfloat16_smollm2(smollm2_gguf):
     assert engine.backend.loaded.dtype == "bfloat16" and engine.exactness.max_width > 1
     prompt = chat_ids(engine.tokenizer, CODE_EDIT)
     assert assert_drafted_equals_serial(engine, prompt, GREEDY, max_tokens=64) > 0
+
+
+def test_both_backends_implement_the_protocol(tiny_folders):
+    """The decode loop, self-check and session store are typed against `engine.protocol.Backend`:
+    both backends provide every member with the protocol's parameter names."""
+    import inspect
+
+    from agentfold.engine.protocol import Backend
+
+    members = [name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")]
+    assert {"forward", "prefill", "rollback", "cache_to_arrays", "arrays_to_cache", "describe"} <= set(members)
+    for backend in (TorchBackend(load_torch_model(tiny_folders["llama"], device="cpu")),
+                    MLXBackend(load_model(tiny_folders["llama"]))):
+        assert isinstance(backend, Backend), type(backend).__name__
+        for name in members:
+            ours = list(inspect.signature(getattr(Backend, name)).parameters)[1:]
+            theirs = list(inspect.signature(getattr(backend, name)).parameters)
+            assert theirs == ours, (type(backend).__name__, name, theirs)
+        cache = backend.new_cache()
+        backend.prefill(list(range(40, 60)), cache, boundaries=[45])
+        assert cache.length == 20 and backend.forward([60, 61], cache).shape[0] == 2

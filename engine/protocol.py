@@ -1,0 +1,79 @@
+"""What the decode loop, the self-check and the session store need of a backend.
+
+`Backend` is a structural protocol: `engine.backend.MLXBackend` (mlx-lm models, Metal or CPU)
+and `engine.torch_backend.TorchBackend` (CUDA or CPU) implement it without inheriting from it.
+This module imports neither MLX nor torch, so the session layer can name caches and backends
+without loading a framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:  # the loader imports MLX; the protocol must not
+    from .loader import LoadedModel
+
+
+@dataclass
+class CacheState:
+    """A conversation's cache: the backend's per-layer state and the tokens it holds."""
+
+    layers: list[Any]
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def nbytes(self) -> int:
+        return sum(int(getattr(layer, "nbytes", 0)) for layer in self.layers)
+
+
+@dataclass
+class Checkpoint:
+    """What a pass may have to undo: recurrent layers' state (by layer index) and the token count."""
+
+    length: int
+    recurrent: dict[int, list[Any]]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One model on one framework: caches, passes over rows, exact rollback, snapshots as numpy.
+
+    Every row of `forward` must be computed independently of the others (row-exactness): the
+    decode loop's exactness rests on it, and `engine.selfcheck` measures it at start-up.
+    """
+
+    name: str  # "mlx" | "torch": part of the snapshot key
+    loaded: LoadedModel
+    vocab_size: int | None
+    has_recurrent_state: bool  # recurrent layers cannot be trimmed: rollback replays kept rows
+
+    def new_cache(self) -> CacheState: ...
+
+    def forward(self, tokens: Sequence[int], cache: CacheState) -> np.ndarray:
+        """Logits (float32, one row per token) of `tokens` appended to `cache`."""
+
+    def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
+        """Append `tokens` in chunks cut at absolute `boundaries`, computing no logits."""
+
+    def checkpoint(self, cache: CacheState) -> Checkpoint: ...
+
+    def rollback(self, cache: CacheState, checkpoint: Checkpoint, keep: int) -> None:
+        """Keep the first `keep` rows appended since `checkpoint`, as if only they had been run."""
+
+    def truncate(self, cache: CacheState, length: int) -> None: ...
+
+    def cache_to_arrays(self, cache: CacheState) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+        """The valid rows as numpy arrays and their layout (`engine.cache_layout`)."""
+
+    def arrays_to_cache(self, arrays: Mapping[str, np.ndarray], layout: list[dict[str, Any]]) -> CacheState:
+        """A cache holding copies of `arrays`; `CacheLayoutError` when they do not fit this model."""
+
+    def describe(self) -> dict[str, Any]:
+        """Kernels, quantization and device: what changes a cache's bytes (snapshot key) and the report."""
