@@ -51,7 +51,7 @@ from agentfold.engine.sampler import SamplingParams
 from agentfold.limits import is_loopback
 from agentfold.runtime import RuntimeBusy, RuntimeClosed, TurnRequest, render_chat
 from agentfold.server.auth import KEY_HINT, ApiKey
-from agentfold.server.common import plan_cuts
+from agentfold.server.common import plan_cuts, report_outcome
 from agentfold.server.report import turn_record
 from agentfold.service import Service
 from agentfold.sessions.ids import check_session_id
@@ -408,7 +408,8 @@ def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
         ids, cuts = _prompt(service, messages, prompt)
         config = _config(service, ids, max_tokens, temperature, seed, draft)
         request = TurnRequest(prompt=ids, config=config, api="mcp", client=_client_name(ctx),
-                              session_id=session_id, audit=audit, cuts=tuple(cuts), model=runtime.model_id)
+                              session_id=session_id, audit=audit, cuts=tuple(cuts), model=runtime.model_id,
+                              outcome_follows=True)
 
         async def on_tokens(count: int) -> None:
             await ctx.report_progress(count, total=max_tokens)
@@ -417,13 +418,7 @@ def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
             completion, turn = await service.run_turn(request, on_tokens)
         except (RuntimeBusy, RuntimeClosed) as error:
             raise _not_taken(error) from error
-        turn.extra["finish_reason"] = completion.finish_reason
-        turn.extra["tool_calls"] = 0
-        if runtime.after_response is not None:
-            try:
-                runtime.after_response(turn)  # final telemetry row, sampled audits, as for HTTP replies
-            except Exception:  # telemetry must never cost the client its reply
-                log.exception("after_response hook failed for %s", turn.id)
+        report_outcome(runtime, turn, completion.finish_reason, 0)  # its telemetry row, sampled audits
         record = turn_record(turn, runtime)
         return GenerateResult(
             text=completion.text, finish_reason=completion.finish_reason, token_sha=completion.token_sha,

@@ -75,6 +75,7 @@ class TurnRequest:
     cache: Any = None  # agentfold.engine.backend.CacheState restored by a session hook, or None
     cuts: tuple[int, ...] = ()
     on_prefill: Callable[[Any], None] | None = None  # called after each prefill chunk (session snapshots)
+    outcome_follows: bool = False  # an API layer calls `after_response` with the parsed outcome
     meta: dict[str, Any] = field(default_factory=dict)  # free-form, for hooks
 
 
@@ -89,8 +90,9 @@ class Turn:
     """One submitted request: its events, its cancel flag and its clocks.
 
     Consume with `async for event in turn.events()` (Delta per verify pass, then the Completion),
-    or `turn.result()` from a thread without an event loop. Hooks may attach anything to
-    `turn.extra` (a telemetry record, the snapshot used, ...).
+    or `turn.result()` from a thread without an event loop. The session layer keeps its restore
+    in `session`, the service its telemetry row in `record`; the API layer sets `finish_reason`
+    and `tool_calls` once the reply is parsed.
     """
 
     _ids = itertools.count(1)
@@ -110,7 +112,10 @@ class Turn:
         self.status = "queued"  # queued | running | auditing | done | cancelled | failed
         self.audit = "skipped"  # skipped | passed | failed
         self.mismatch_position: int | None = None
-        self.extra: dict[str, Any] = {}
+        self.session: Any = None  # what the session layer restored (sessions.manager.PreparedTurn)
+        self.record: Any = None  # the telemetry row (agentfold.telemetry.TurnRecord) once built
+        self.finish_reason: str | None = None  # the API-level outcome: stop | length | tool_calls
+        self.tool_calls = 0
         self.passes = 0  # verify passes the worker ran for this turn
         self.prefill_passes = 0  # prefill chunks, each scheduled like a verify pass
         self.passes_at_cancel: int | None = None  # `passes` when cancel() was first called
@@ -200,14 +205,14 @@ class Runtime:
 
     Plug-in points (all called on the worker thread, so they may use the engine freely):
 
-    - `before_turn(turn)`: before the generation is created; may set `turn.request.cache` /
-      `.cuts` (session restore) or record anything in `turn.extra`.
+    - `before_turn(turn)`: before the generation is created; may set `turn.request.cache`,
+      `.cuts` and `.on_prefill` (session restore) and `turn.session`.
     - `after_turn(turn)`: after the reply (and its audit) finished, before the client gets the
       Completion; `turn.completion` is set (session snapshot, telemetry row).
     - `after_response(turn)`: called by the HTTP layer (on the event loop, so keep it quick)
-      once the API-level outcome is known: `turn.extra["finish_reason"]` (stop | length |
-      tool_calls) and `turn.extra["tool_calls"]`. A hook that puts a `TurnRecord` in
-      `turn.extra["record"]` has it returned as the response's `timings` / `agentfold` blocks.
+      once the API-level outcome is known: `turn.finish_reason` (stop | length | tool_calls) and
+      `turn.tool_calls`. A hook that puts a `TurnRecord` in `turn.record` has it returned as
+      the response's `timings` / `agentfold` blocks.
     - `_start(request)`: the one place a Generation is created; extend it in a subclass.
 
     An exception in before_turn / after_turn fails that turn only; one in after_response is

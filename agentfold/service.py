@@ -4,8 +4,9 @@
   (SessionManager.restore); the engine prefills the rest in chunks the runtime schedules like
   verify passes, and the session layer snapshots the cache where the reply starts.
 - `after_turn` (worker thread): record the turn in its session, build its TurnRecord (with the
-  inputs an audit needs to replay it), write it to SQLite (writer thread) and to /metrics.
-- `after_response` (event loop): the API-level finish reason and tool-call count, re-recorded.
+  inputs an audit needs to replay it) and count it on /metrics.
+- `after_response` (event loop): the API-level finish reason and tool-call count; the row is
+  written to SQLite (writer thread) once, here, or in `after_turn` for turns no API reports.
 - Audits: `audit_turn` replays a stored turn serially (no drafts, no snapshot) and compares token
   ids; `audit_rate` queues such replays for a share of turns after their reply went out.
 - Storage faults never cost a reply: a home that cannot be written (read-only, full) at start-up
@@ -125,12 +126,12 @@ class Service:
             return
         request.cache, request.cuts, request.session_id = prepared.cache, tuple(prepared.cuts), prepared.session_id
         request.on_prefill = prepared.snapshot_at_reply  # the engine's prefill chunks are scheduled passes
-        turn.extra["prepared"] = prepared
+        turn.session = prepared
 
     def _after_turn(self, turn: Turn) -> None:
         completion = turn.completion
         assert completion is not None
-        prepared = turn.extra.pop("prepared", None)
+        prepared, turn.session = turn.session, None
         info = None
         if prepared is not None:
             try:
@@ -148,20 +149,21 @@ class Service:
         )
         record.audit, record.mismatch_position = turn.audit, turn.mismatch_position
         record.inputs = {**config_inputs(request.prompt, request.config), "reply": list(completion.tokens)}
-        turn.extra["record"] = record
+        turn.record = record
         if request.meta.get("internal"):
             return
-        self.telemetry.record(record)
+        if not request.outcome_follows:  # else `_after_response` writes it, with the API's outcome
+            self.telemetry.record(record)
         self.metrics.observe(record)
         if turn.audit != "skipped":
             self.metrics.observe_audit(turn.audit)
 
     def _after_response(self, turn: Turn) -> None:
-        record = turn.extra.get("record")
+        record = turn.record
         if not isinstance(record, TurnRecord):
             return
-        record.finish_reason = turn.extra.get("finish_reason", record.finish_reason)
-        record.tool_calls = int(turn.extra.get("tool_calls", 0))
+        record.finish_reason = turn.finish_reason or record.finish_reason
+        record.tool_calls = turn.tool_calls
         self.telemetry.record(record)
         if self.audit_rate and self._random.random() < self.audit_rate and record.draft_method != "none":
             asyncio.get_running_loop().create_task(self.audit_turn(record.turn_id))

@@ -92,6 +92,16 @@ def assistant_cuts(encode_head: Callable[[Sequence[Message]], list[int]], messag
     return sorted(set(cuts))
 
 
+def reply_start(plan: Sequence[int], cuts: Sequence[int]) -> int:
+    """Where this prompt's snapshot is taken: the last message cut on the plan (the reply's start).
+
+    Not the plan's last boundary: a chunk-grid point can fall after the reply's start, inside a
+    server-side instruction turn or the generation prompt, which the next turn's prompt lacks.
+    """
+    on_plan = [c for c in cuts if c in set(plan)]
+    return max(on_plan) if on_plan else (plan[-1] if plan else 0)
+
+
 @dataclass
 class PreparedTurn:
     """A turn restored from its longest usable snapshot, ready for the engine to prefill and decode.
@@ -109,7 +119,7 @@ class PreparedTurn:
     saved: str | None
     reasons: list[str]
     restore_seconds: float
-    target: int = 0  # the plan's last cut: where this reply starts and its snapshot is taken
+    target: int = 0  # `reply_start`: where this reply starts and its snapshot is taken
     boundaries: list[int] = field(default_factory=list)  # the plan's cuts before `target`
     save: Callable[[CacheState, list[int], str | None, list[str]], str | None] | None = None
 
@@ -174,7 +184,7 @@ class SessionManager:
         started = time.perf_counter()
         plan = self.engine.plan(0, len(prompt) - 1, cuts)  # where a fresh prefill stops
         cache, used, reasons = self._restore(prompt, plan, session_id)
-        target = plan[-1] if plan else 0  # the last cut: the start of this reply
+        target = reply_start(plan, cuts)
         saved = used if used and cache.length == target else None
         return PreparedTurn(prompt, list(cuts), cache, session_id, cache.length, used, saved, reasons,
                             time.perf_counter() - started, target, [b for b in plan if b < target], self._save)

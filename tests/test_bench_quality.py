@@ -86,6 +86,7 @@ def test_replies_are_compared_across_backends_per_quant():
     assert _across_backends({"torch": replies["torch"]}) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch (the torch backend) is not installed")
 def test_int8_perplexity_is_close_to_float32_on_smollm2(smollm2_gguf, tmp_path):
     lines: list[str] = []

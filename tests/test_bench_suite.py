@@ -43,6 +43,7 @@ def quick_run(tmp_path_factory) -> tuple[dict, Path]:
     return json.loads(out.read_text()), out
 
 
+@pytest.mark.slow
 @needs_model
 def test_quick_json_has_every_section(quick_run):
     result, _ = quick_run
@@ -96,6 +97,7 @@ def test_quick_json_has_every_section(quick_run):
     assert all(x["reason"] for x in result["skipped"])
 
 
+@pytest.mark.slow
 @needs_model
 def test_every_number_carries_its_context(quick_run):
     result, _ = quick_run
@@ -112,6 +114,7 @@ def test_every_number_carries_its_context(quick_run):
         assert row["model"] and row["workload"] in KINDS and row["context"] and row["mode"], row
 
 
+@pytest.mark.slow
 @needs_model
 def test_every_drafted_reply_equals_serial(quick_run):
     result, _ = quick_run
@@ -122,6 +125,7 @@ def test_every_drafted_reply_equals_serial(quick_run):
     assert result["summary"]["all_equal"] is True and result["summary"]["resumed_identical_to_cold"] is True
 
 
+@pytest.mark.slow
 @needs_model
 def test_report_regenerates_from_the_json(quick_run, tmp_path):
     _, path = quick_run

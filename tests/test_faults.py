@@ -111,6 +111,7 @@ def temp_files(home: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if ".tmp." in p.name] if folder.exists() else []
 
 
+@pytest.mark.slow
 def test_kill_during_snapshot_write_and_generation(api_server, tmp_path):  # noqa: F811
     home = tmp_path / "home"
     a1 = [{"role": "user", "content": "Name a fruit."}]

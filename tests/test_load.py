@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from agentfold.loadtest import MIB, run_load
 
 from .reliability_helpers import service_server
@@ -19,6 +21,7 @@ from .reliability_helpers import service_server
 CLIENTS = 16
 
 
+@pytest.mark.slow
 def test_sixteen_streaming_clients(smollm2_engine, tmp_path):
     with service_server(smollm2_engine, tmp_path / "home", max_active=4) as (url, service):
         result = asyncio.run(run_load(url, clients=CLIENTS, duration=8, rounds=2, max_tokens=4, min_share=0.5,

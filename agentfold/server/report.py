@@ -2,7 +2,7 @@
 
 Both come from one `TurnRecord` (agentfold.telemetry), so the response, the SQLite row and
 `/metrics` show the same figures. If an `after_turn` hook already built the turn's record it is
-put in `turn.extra["record"]` and used as is; otherwise one is built here from the engine's
+put in `turn.record` and used as is; otherwise one is built here from the engine's
 `DecodeStats` and the runtime's clocks. This is the one function to swap when telemetry changes.
 """
 
@@ -16,7 +16,7 @@ from agentfold.telemetry import TurnRecord, timings
 
 def turn_record(turn: Turn, runtime: Runtime) -> TurnRecord:
     """The turn's TurnRecord: the hook's if it made one, else built from the completion."""
-    record = turn.extra.get("record")
+    record = turn.record
     if isinstance(record, TurnRecord):
         return record
     assert turn.completion is not None
@@ -24,9 +24,9 @@ def turn_record(turn: Turn, runtime: Runtime) -> TurnRecord:
     record = TurnRecord.from_completion(
         turn.completion, session_id=request.session_id, api=request.api, client=request.client,
         model=runtime.model_id, queue_seconds=turn.queue_seconds, turn_id=turn.id,
-        started_at=turn.submitted_wall, tool_calls=int(turn.extra.get("tool_calls", 0)),
+        started_at=turn.submitted_wall, tool_calls=turn.tool_calls,
     )
-    record.finish_reason = turn.extra.get("finish_reason", record.finish_reason)
+    record.finish_reason = turn.finish_reason or record.finish_reason
     record.audit = turn.audit
     record.mismatch_position = turn.mismatch_position
     return record
