@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import agentfold  # noqa: F401  (loads the fast BLAS before mlx is imported)
+import agentfold
 
 SCHEMA = "agentfold.bench.decode/1"
 QUICK_MAX_TOKENS = 32

@@ -19,8 +19,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import agentfold  # noqa: F401  (fast BLAS before mlx)
-
 from .bench import _completion_row, _loadavg, mlx_lm_decode, steady_tps
 
 SPECULATIVE_SKIPPED = ("no draft model sharing the tokenizer is installed for SmolLM2-135M or Gemma 3 270M (they "

@@ -28,8 +28,6 @@ from typing import Any
 
 import numpy as np
 
-import agentfold  # noqa: F401  (loads the fast BLAS before mlx is imported)
-
 from .bench import (
     _completion_row,
     _round,

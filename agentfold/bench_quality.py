@@ -29,8 +29,6 @@ from typing import Any
 
 import numpy as np
 
-import agentfold  # noqa: F401  (loads the fast BLAS before mlx is imported)
-
 SCHEMA = "agentfold.bench.quality/1"
 DEFAULT_LIMIT_PCT = 2.0  # int8 may be the default only within this much perplexity of float32
 TEXT_FILES = ("colorsys.py", "bisect.py", "textwrap.py", "sched.py", "heapq.py", "string.py")

@@ -36,8 +36,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import agentfold  # noqa: F401  (loads the fast BLAS before mlx is imported)
-
 SCHEMA = "agentfold.bench.sessions/1"
 GOAL_CONTEXT = 8192  # the context label the goal is judged at
 GOAL_RATIO = 0.10  # resumed TTFT at most 10% of cold TTFT

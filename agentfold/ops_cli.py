@@ -101,7 +101,6 @@ def run(args: argparse.Namespace) -> int:
 def load_engine(model: str | None, dtype: str = "float32", drafter: str = "suffix",
                 draft_model: str | None = None) -> Any:
     """Build the engine for `--model` (progress on stderr; nothing on stdout, which may be the MCP wire)."""
-    import agentfold  # noqa: F401  (fast BLAS before mlx)
     from agentfold.engine.factory import build_engine
     from agentfold.models import resolve
 

@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agentfold.engine.decode import Completion, Delta, Engine, Generation, GenerationConfig
+from agentfold.engine.decode import Completion, Delta, Engine, Generation, GenerationConfig, first_mismatch
 from agentfold.limits import DEFAULT_MAX_QUEUE
 
 log = logging.getLogger(__name__)
@@ -387,16 +387,9 @@ class Runtime:
             return True
         except StopIteration:
             pass
-        reference = turn._audit_generation.completion.tokens
-        tokens = turn.completion.tokens
-        if reference == tokens:
-            turn.audit = "passed"
-        else:
-            turn.audit = "failed"
-            turn.mismatch_position = next(
-                (i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b),
-                min(len(tokens), len(reference)),
-            )
+        turn.mismatch_position = first_mismatch(turn.completion.tokens, turn._audit_generation.completion.tokens)
+        turn.audit = "passed" if turn.mismatch_position is None else "failed"
+        if turn.mismatch_position is not None:
             log.error("turn %s: drafted reply differs from serial at token %s", turn.id, turn.mismatch_position)
         turn._audit_iter = turn._audit_generation = None
         return self._complete(turn)

@@ -7,8 +7,8 @@
   inputs an audit needs to replay it) and count it on /metrics.
 - `after_response` (event loop): the API-level finish reason and tool-call count; the row is
   written to SQLite (writer thread) once, here, or in `after_turn` for turns no API reports.
-- Audits: `audit_turn` replays a stored turn serially (no drafts, no snapshot) and compares token
-  ids; `audit_rate` queues such replays for a share of turns after their reply went out.
+- Audits (agentfold.audit): `audit_turn` replays a stored turn serially (no drafts, no snapshot)
+  and stores the verdict; `audit_rate` queues such replays for a share of turns after their reply.
 - Storage faults never cost a reply: a home that cannot be written (read-only, full) at start-up
   turns sessions off and keeps telemetry in a temporary file, with a warning; a session write that
   fails later (disk full) logs a warning and that turn runs without its session cache.
@@ -24,12 +24,11 @@ import shutil
 import sqlite3
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from agentfold.engine.decode import Completion, GenerationConfig, token_sha
-from agentfold.engine.sampler import SamplingParams
+from agentfold import audit
+from agentfold.engine.decode import Completion, GenerationConfig
 from agentfold.metrics import Metrics
 from agentfold.runtime import Runtime, Turn, TurnRequest
 from agentfold.sessions import SessionManager
@@ -37,24 +36,6 @@ from agentfold.sessions.index import default_home
 from agentfold.telemetry import TelemetryStore, TurnRecord
 
 log = logging.getLogger(__name__)
-
-
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or the shorter length); None when equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
-def config_inputs(prompt: list[int], config: GenerationConfig) -> dict[str, Any]:
-    """What replaying a turn needs, JSON-ready."""
-    return {"prompt": list(prompt), "params": asdict(config.params), "max_tokens": config.max_tokens,
-            "stop": list(config.stop), "grammar": config.grammar, "draft": config.draft}
-
-
-def config_from_inputs(inputs: dict[str, Any], draft: bool) -> GenerationConfig:
-    return GenerationConfig(params=SamplingParams(**inputs["params"]), max_tokens=inputs["max_tokens"],
-                            stop=tuple(inputs["stop"]), draft=draft, grammar=inputs.get("grammar"))
 
 
 def unwritable(path: Path) -> str | None:
@@ -148,7 +129,7 @@ class Service:
             cache_miss_reason="; ".join(info.miss_reasons) if info and info.miss_reasons else None,
         )
         record.audit, record.mismatch_position = turn.audit, turn.mismatch_position
-        record.inputs = {**config_inputs(request.prompt, request.config), "reply": list(completion.tokens)}
+        record.inputs = {**audit.config_inputs(request.prompt, request.config), "reply": list(completion.tokens)}
         turn.record = record
         if request.meta.get("internal"):
             return
@@ -182,38 +163,18 @@ class Service:
         raise RuntimeError(f"turn {turn.id} ended without a completion")
 
     async def audit_turn(self, turn_id: str) -> dict[str, Any]:
-        """Replay a stored turn serially from an empty cache and compare token ids; store the verdict."""
+        """Replay a stored turn serially (agentfold.audit.replay) and store the verdict on its row."""
         row = self.telemetry.get_turn(turn_id)
         if row is None:
             raise KeyError(f"no turn {turn_id!r}")
-        inputs = row.get("inputs") or {}
-        if not inputs.get("prompt"):
-            raise ValueError(f"turn {turn_id!r} has no stored inputs to replay")
-        reference, _ = await self.run_turn(TurnRequest(
-            prompt=inputs["prompt"], config=config_from_inputs(inputs, draft=False), api="audit",
-            meta={"no_session": True, "internal": True}))
-        replied = list(inputs.get("reply") or [])
-        mismatch = first_mismatch(replied, reference.tokens)
-        verdict = "passed" if mismatch is None else "failed"
-        self.telemetry.set_audit(turn_id, verdict, mismatch, token_sha(reference.tokens))
-        self.metrics.observe_audit(verdict)
-        return {"turn_id": turn_id, "verdict": verdict, "mismatch_position": mismatch,
-                "token_sha": token_sha(replied), "audit_token_sha": token_sha(reference.tokens)}
+        verdict = await audit.replay(self.run_turn, turn_id, row.get("inputs") or {})
+        self.telemetry.set_audit(turn_id, verdict["verdict"], verdict["mismatch_position"], verdict["audit_token_sha"])
+        self.metrics.observe_audit(verdict["verdict"])
+        return verdict
 
     async def check_exactness(self, prompt: list[int], config: GenerationConfig) -> dict[str, Any]:
-        """Drafted against serial for the same prompt: equal or not, where, both hashes and timings."""
-        results = {}
-        for name, draft in (("drafted", True), ("serial", False)):
-            completion, turn = await self.run_turn(TurnRequest(
-                prompt=prompt, config=replace(config, draft=draft), api="mcp",
-                meta={"no_session": True, "internal": True}))
-            stats = completion.stats
-            results[name] = {"tokens": len(completion.tokens), "token_sha": completion.token_sha,
-                             "decode_tps": round(stats.decode_tps, 3), "total_ms": round(stats.total_seconds * 1e3, 3),
-                             "ttft_ms": round(stats.ttft_seconds * 1e3, 3), "verify_passes": stats.verify_passes,
-                             "drafted": stats.drafted, "accepted": stats.accepted, "_ids": completion.tokens}
-        mismatch = first_mismatch(results["drafted"].pop("_ids"), results["serial"].pop("_ids"))
-        return {"equal": mismatch is None, "mismatch_position": mismatch, **results}
+        """Drafted against serial for the same prompt (agentfold.audit.check_exactness)."""
+        return await audit.check_exactness(self.run_turn, prompt, config)
 
     def close(self) -> None:
         self.runtime.close()

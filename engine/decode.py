@@ -115,6 +115,13 @@ def token_sha(tokens: Sequence[int]) -> str:
     return hashlib.sha256(b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens)).hexdigest()
 
 
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (or the shorter length); None when equal."""
+    if list(a) == list(b):
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 class Detokenizer:
     """Incremental text from token ids that never splits a UTF-8 character."""
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from tqdm import tqdm
 
-import agentfold  # noqa: F401  (fast BLAS before mlx)
 from agentfold.engine.factory import build_engine
 from agentfold.engine.loader import convert_gguf
 from agentfold.models import cache_dir, default_model_path, gemma3_path

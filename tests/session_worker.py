@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import sys
 
-import agentfold  # noqa: F401  (picks the BLAS before mlx.core is imported)
 from agentfold.engine.decode import GenerationConfig
 from agentfold.engine.factory import build_engine
 from agentfold.models import default_model_path

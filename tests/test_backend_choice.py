@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import agentfold  # noqa: F401  (BLAS and OpenMP settings before torch / mlx load)
-
 # isort: split
 import pytest
 

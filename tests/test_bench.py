@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-import agentfold  # noqa: F401  (before mlx)
 from agentfold import bench_llamacpp
 from agentfold.bench import CODE_EDIT_WINDOW, bench_decode, code_edit_source, workloads
 from agentfold.bench_llamacpp import NOT_INSTALLED

@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 
-import agentfold  # noqa: F401  (before mlx)
 from agentfold.bench_quality import (
     DEFAULT_LIMIT_PCT,
     _across_backends,

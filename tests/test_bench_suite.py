@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import agentfold  # noqa: F401  (before mlx)
 from agentfold.bench_report import PLOTS
 from agentfold.bench_summary import sections
 from agentfold.bench_workloads import KINDS, QUICK_TURNS, WINDOW_LINES, build_sessions, describe, session_plans

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-import agentfold  # noqa: F401  (fast BLAS before mlx)
 from agentfold.kernels import int8_linear, int8_rows
 
 SHAPES = [(77, 33), (577, 129), (1537, 211), (2049, 67)]  # (K, N)

@@ -11,7 +11,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import agentfold  # noqa: F401
 from agentfold.kernels.attention import row_exact_sdpa
 from agentfold.kernels.mlx_int8 import ExactLinear
 

@@ -72,3 +72,12 @@ def test_session_storage_loads_without_mlx(module):
               "assert not bad, bad\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_no_import_for_its_side_effects():
+    """The package's own `__init__` picks the BLAS before any submodule (and so before mlx) loads;
+    nothing imports `agentfold` only for that side effect."""
+    found = subprocess.run(["git", "grep", "-n", "import agentfold" + "  # noqa", "--", "*.py"], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert found.returncode in (0, 1), found.stderr
+    assert not found.stdout.strip(), found.stdout

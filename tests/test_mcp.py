@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 
-import agentfold  # noqa: F401  (before mlx.core: picks the BLAS)
-
 # isort: split
 import httpx
 import httpx2

@@ -25,7 +25,6 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported: the grouped kernel on CPU
 
-import agentfold  # noqa: F401,E402  (fast BLAS before mlx)
 from agentfold.engine.decode import Engine, GenerationConfig  # noqa: E402
 from agentfold.engine.expert_placement import ExpertPlacement, load_profile  # noqa: E402
 from agentfold.engine.expert_quant import expert_forward, int_matmul, quantize_activations, random_layer  # noqa: E402

@@ -15,8 +15,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import agentfold  # noqa: F401  (before mlx.core: picks the BLAS)
-
 # isort: split
 import anyio
 import pytest

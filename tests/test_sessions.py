@@ -18,8 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import agentfold  # noqa: F401  (picks the BLAS before mlx.core is imported)
-
 # isort: split
 import mlx.core as mx
 import numpy as np

@@ -17,8 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import agentfold  # noqa: F401  (picks the BLAS before mlx.core is imported)
-
 # isort: split
 import pytest
 

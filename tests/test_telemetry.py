@@ -11,8 +11,6 @@ import sqlite3
 import time
 from dataclasses import fields
 
-import agentfold  # noqa: F401  (before mlx.core: picks the BLAS)
-
 # isort: split
 import numpy as np
 import pytest

@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import agentfold  # noqa: F401  (before mlx.core: picks the BLAS)
-
 # isort: split
 import mlx.core as mx
 import numpy as np

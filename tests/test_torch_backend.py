@@ -12,8 +12,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import agentfold  # noqa: F401  (BLAS and OpenMP settings before torch / mlx load)
-
 # isort: split
 import numpy as np
 import pytest

@@ -7,8 +7,6 @@ the loader produces. The batched prefill path is checked against the per-row one
 
 from __future__ import annotations
 
-import agentfold  # noqa: F401  (BLAS and OpenMP settings before torch / mlx load)
-
 # isort: split
 import pytest
 import torch

@@ -10,8 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import agentfold  # noqa: F401  (picks the BLAS before mlx.core is imported)
-
 # isort: split
 import mlx.core as mx
 import mlx.nn as nn

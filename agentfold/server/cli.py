@@ -14,7 +14,6 @@ import socket
 import sys
 from typing import Any
 
-import agentfold  # noqa: F401  (fast BLAS before mlx)
 from agentfold.cli_args import add_model_args
 from agentfold.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, is_loopback
 
