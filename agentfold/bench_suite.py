@@ -381,6 +381,15 @@ def bench_all(model: str | None = None, out: str | Path = "bench-results/suite.j
         "skipped": suite.skipped,
         "method": METHOD,
     })
+    if quick:  # the agent session (37 requests, a restart, a fresh server) adds minutes
+        result["agent"] = {"skipped": "quick: run `agentfold bench agent --quick` on its own"}
+    else:
+        from .bench_agent import bench_agent
+
+        try:
+            result["agent"] = bench_agent(str(main_path), None, seed=seed, dtype=dtype, progress=say)
+        except BenchError as error:
+            result["agent"] = {"error": str(error)}
     result["sections"] = sections(result)
     result["records"] = records(result)
     exact = result["sections"]["exactness"]

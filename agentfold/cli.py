@@ -10,7 +10,6 @@ import json
 import sys
 from collections.abc import Sequence
 
-import agentfold  # noqa: F401  (sets up the fast BLAS before mlx is imported)
 from agentfold.cli_args import add_backend_args
 
 
@@ -79,6 +78,12 @@ def _build_parser() -> argparse.ArgumentParser:
     sessions.add_argument("--contexts", default="2048,8192", help="context sizes in tokens, comma-separated")
     sessions.add_argument("--quick", action="store_true")
     sessions.add_argument("--out", required=True, help="JSON file to write")
+    agent = bench_sub.add_parser("agent", help="a 30+ turn coding-agent session through both APIs: cached share, "
+                                 "TTFT and prefill per turn, after a restart, against a fresh server")
+    _add_model_args(agent)
+    agent.add_argument("--quick", action="store_true", help="tiny tool results, shorter replies, 2 restart turns")
+    agent.add_argument("--seed", type=int, default=0, help="picks the stdlib files of the transcript")
+    agent.add_argument("--out", required=True, help="JSON file to write")
     suite = bench_sub.add_parser("all", help="agent workloads through the HTTP server against baselines, with a report")
     _add_model_args(suite)
     suite.add_argument("--quick", action="store_true", help="1K context only, short replies (a few minutes)")
@@ -111,6 +116,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .engine.factory import build_engine
     from .engine.sampler import SamplingParams
     from .models import resolve, verdict_file
+    from .runtime import render_chat
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -128,8 +134,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
         ]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)  # the server's renderer
     generation = engine.stream(ids, config)
     for delta in generation:
         sys.stdout.write(delta.text)
@@ -194,6 +199,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(str(error)) from error
         _progress(f"wrote {args.out}: {json.dumps(result.get('summary', {}))}")
         return 0
+    if args.bench == "agent":
+        from .bench_agent import bench_agent
+        from .bench_server import BenchError as ServerBenchError
+
+        try:
+            result = bench_agent(args.model, args.out, quick=args.quick, seed=args.seed, dtype=args.dtype,
+                                 progress=_progress)
+        except ServerBenchError as error:
+            raise ValueError(str(error)) from error
+        _progress(f"wrote {args.out}: {json.dumps(result['summary'])}")
+        return 0 if result["summary"]["ok"] else 1
     if args.bench == "quality":
         from .bench_quality import bench_quality, summary_line
 
