@@ -132,19 +132,21 @@ def _encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def _time_store(store: Any) -> dict[str, list[dict[str, Any]]]:
-    """Wrap `store.save` / `store.load` (on this instance) to record bytes and seconds of each."""
-    record: dict[str, list[dict[str, Any]]] = {"saves": [], "loads": []}
-    save, load = store.save, store.load
+    """Wrap the store's snapshot writes and `store.load` (on this instance) to record bytes and seconds of each.
 
-    def timed_save(key: str, cache: Any, boundaries: Sequence[int], parent: str | None = None, *,
-                   backend: Any) -> str:
-        wall, began = time.time(), time.perf_counter()
-        snapshot_id = save(key, cache, boundaries, parent, backend=backend)
+    A write is the file half of a save (`SnapshotStore.stage` then the staged write, which the
+    session manager runs on its writer thread); a state already stored is not written again.
+    """
+    record: dict[str, list[dict[str, Any]]] = {"saves": [], "loads": []}
+    write, load = store._write_staged, store.load
+
+    def timed_write(staged: Any) -> str:
+        began = time.perf_counter()
+        snapshot_id = write(staged)
         seconds = time.perf_counter() - began
         row = store.row(snapshot_id) or {}
-        written = row.get("created", 0.0) >= wall  # an already stored state only has its last_used touched
         record["saves"].append({"snapshot_id": snapshot_id, "tokens": row.get("token_count"),
-                                "bytes": row.get("bytes"), "seconds": round(seconds, 5), "written": written})
+                                "bytes": row.get("bytes"), "seconds": round(seconds, 5), "written": True})
         return snapshot_id
 
     def timed_load(row: dict[str, Any], backend: Any) -> Any:
@@ -155,7 +157,7 @@ def _time_store(store: Any) -> dict[str, list[dict[str, Any]]]:
                                 "seconds": round(time.perf_counter() - began, 5), "from_memory": hot})
         return cache
 
-    store.save, store.load = timed_save, timed_load
+    store._write_staged, store.load = timed_write, timed_load
     return record
 
 

@@ -178,6 +178,8 @@ class Service:
 
     def close(self) -> None:
         self.runtime.close()
+        if self.sessions is not None:
+            self.sessions.flush()  # snapshots staged by the last turns reach the disk
         self.telemetry.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..kernels import torch_cpu
 from .cache_layout import CacheLayoutError, array_name, bits_dtype, mark_bits, tokens_array, tokens_of
 from .loader import LoadedModel
 from .protocol import CacheState, Checkpoint
@@ -76,7 +77,8 @@ class TorchBackend:
         offset = start
         for cut in sorted({b for b in boundaries if start < b < end} | {end}):
             if cut > offset:
-                self._run(tokens[offset - start : cut - start], cache, logits=False)
+                with torch_cpu.prefill_chunk():  # logits unread: batched kernels at any width
+                    self._run(tokens[offset - start : cut - start], cache, logits=False)
             offset = cut
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

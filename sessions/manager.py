@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 from ..engine.decode import Completion, Engine, GenerationConfig
 from ..engine.protocol import CacheState
 from .ids import check_session_id
-from .snapshots import DEFAULT_BUDGET, DEFAULT_HOT_BYTES, LAYOUT_VERSION, SnapshotError, SnapshotStore
+from .snapshots import DEFAULT_BUDGET, DEFAULT_HOT_BYTES, LAYOUT_VERSION, SnapshotError, SnapshotStore, StagedSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class SessionManager:
         self.index = self.store.index  # sessions and turns; the same class `agentfold sessions` uses
         self.key = snapshot_key(engine)
         self._lock = threading.Lock()  # one reply at a time: the engine is not reentrant
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentfold-snapshots")
+        self._writes: list[Future] = []  # staged snapshots being written, oldest first
 
     # --- prompts and plans ---
 
@@ -163,7 +166,9 @@ class SessionManager:
             prepared = self.restore(request, session_id, cuts)
             completion = self.engine.generate(prepared.prompt, config or GenerationConfig(), prepared.cache,
                                               prepared.cuts, on_prefill=prepared.snapshot_at_reply)
-            return completion, self.finish(prepared, completion)
+            info = self.finish(prepared, completion)
+            self.flush()  # on return, this turn's snapshot is on disk
+            return completion, info
 
     def restore(self, request: Sequence[Message] | Sequence[int], session_id: str | None = None,
                 cuts: Sequence[int] = ()) -> PreparedTurn:
@@ -182,6 +187,7 @@ class SessionManager:
             raise ValueError("the prompt is empty")
         session_id = self._ensure_session(session_id, title)
         started = time.perf_counter()
+        self.flush()  # a snapshot still being written may be the one this prompt resumes from
         plan = self.engine.plan(0, len(prompt) - 1, cuts)  # where a fresh prefill stops
         cache, used, reasons = self._restore(prompt, plan, session_id)
         target = reply_start(plan, cuts)
@@ -223,18 +229,45 @@ class SessionManager:
         return self.engine.backend.new_cache(), None, reasons
 
     def _save(self, cache: CacheState, boundaries: list[int], parent: str | None, reasons: list[str]) -> str | None:
+        """Snapshot `cache`: its arrays are copied now, the file is written on the writer thread.
+
+        The copy takes milliseconds; serializing, checksumming and fsyncing a 6K-token cache takes
+        about a second on 2 cores, which would otherwise sit in the reply's time to first token.
+        """
         try:
-            saved = self.store.save(self.key, cache, boundaries, parent, backend=self.engine.backend)
-        except Exception as error:  # noqa: BLE001  (disk full, read-only, MLX write errors: prefill next time)
-            try:
-                free = f"{shutil.disk_usage(self.store.dir).free / 1e6:.1f} MB free in {self.store.dir}"
-            except OSError:
-                free = f"{self.store.dir} unreadable"
-            log.warning("snapshot not saved (%s; %s): the next turn prefills instead", error, free)
-            reasons.append(f"not saved: {error}")
+            staged = self.store.stage(self.key, cache, boundaries, parent, backend=self.engine.backend)
+        except Exception as error:  # noqa: BLE001  (a cache layout the store cannot hold: prefill next time)
+            self._not_saved(error, reasons)
             return None
-        self.store.evict(keep={saved} | ({parent} if parent else set()))
-        return saved
+        if isinstance(staged, str):
+            return staged
+        keep = {staged.snapshot_id} | ({parent} if parent else set())
+        self._writes.append(self._writer.submit(self._write, staged, keep))
+        return staged.snapshot_id
+
+    def _write(self, staged: StagedSnapshot, keep: set[str]) -> None:
+        try:
+            staged.write()
+        except Exception as error:  # noqa: BLE001  (disk full, read-only: the next turn prefills instead)
+            self._not_saved(error, [])
+            return
+        try:
+            self.store.evict(keep=keep)
+        except Exception:  # noqa: BLE001  (eviction retries after the next write; never fail a turn for it)
+            log.exception("snapshot eviction failed")
+
+    def _not_saved(self, error: BaseException, reasons: list[str]) -> None:
+        try:
+            free = f"{shutil.disk_usage(self.store.dir).free / 1e6:.1f} MB free in {self.store.dir}"
+        except OSError:
+            free = f"{self.store.dir} unreadable"
+        log.warning("snapshot not saved (%s; %s): the next turn prefills instead", error, free)
+        reasons.append(f"not saved: {error}")
+
+    def flush(self) -> None:
+        """Wait until every snapshot staged so far is written (or has failed, with its warning)."""
+        while self._writes:
+            self._writes.pop(0).result()
 
     # --- sessions ---
 

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -109,6 +110,23 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
+@dataclass
+class StagedSnapshot:
+    """A cache copied out for writing: `write()` stores it and returns its id (`SnapshotStore.stage`)."""
+
+    store: SnapshotStore
+    row: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    layout: list[dict[str, Any]]
+
+    @property
+    def snapshot_id(self) -> str:
+        return self.row["id"]
+
+    def write(self) -> str:
+        return self.store._write_staged(self)
+
+
 class SnapshotStore:
     """Snapshot files under `home/snapshots`, their rows in the session index, a small in-memory LRU."""
 
@@ -120,7 +138,13 @@ class SnapshotStore:
         self.budget_bytes = budget_bytes
         self.hot_bytes = hot_bytes
         self._hot: OrderedDict[str, _Hot] = OrderedDict()
-        self.index.on_remove = lambda snapshot_id: self._hot.pop(snapshot_id, None)
+        self._hot_lock = threading.Lock()  # the snapshot writer thread adds, the worker reads
+
+        def forget(snapshot_id: str) -> None:
+            with self._hot_lock:
+                self._hot.pop(snapshot_id, None)
+
+        self.index.on_remove = forget
 
     # --- the index's rows ---
 
@@ -152,22 +176,39 @@ class SnapshotStore:
 
         The id is a hash of key, tokens and boundaries, so the same state is stored once.
         """
+        staged = self.stage(key, cache, boundaries, parent, backend=backend)
+        return staged if isinstance(staged, str) else staged.write()
+
+    def stage(self, key: str, cache: CacheState, boundaries: Sequence[int], parent: str | None = None, *,
+              backend: Backend) -> str | StagedSnapshot:
+        """The cheap, synchronous half of `save`: the id and a copy of the cache's arrays.
+
+        Returns the id when that state is already stored, else a `StagedSnapshot` whose `write()`
+        (serialize, checksum, write, fsync, index row) may run on another thread while the cache
+        itself goes on changing.
+        """
         tokens_hash = tokens_sha(cache.tokens)
         plan = json.dumps(list(boundaries))
         snapshot_id = hashlib.sha256(f"{key}:{tokens_hash}:{plan}".encode()).hexdigest()[:32]
-        now = time.time()
         existing = self.row(snapshot_id)
         if existing is not None and _stamp(self.dir / existing["file"]) is not None:
             with self.write() as db:
-                db["snapshots"].update(snapshot_id, {"last_used": now})
+                db["snapshots"].update(snapshot_id, {"last_used": time.time()})
             return snapshot_id
         try:
             arrays, layout = backend.cache_to_arrays(cache)
         except ValueError as error:  # CacheLayoutError: a cache this backend cannot store
             raise SnapshotError(str(error)) from error
-        metadata = {"format": FORMAT, "layout_version": str(LAYOUT_VERSION), "key": key,
-                    "layers": json.dumps(layout), "boundaries": plan}
-        data = encode(arrays, layout, metadata)
+        row = {"id": snapshot_id, "key": key, "tokens_hash": tokens_hash, "token_count": cache.length,
+               "boundaries": plan, "parent": parent, "pinned": existing["pinned"] if existing else 0}
+        return StagedSnapshot(self, row, arrays, layout)
+
+    def _write_staged(self, staged: StagedSnapshot) -> str:
+        row = dict(staged.row)
+        snapshot_id = row["id"]
+        metadata = {"format": FORMAT, "layout_version": str(LAYOUT_VERSION), "key": row["key"],
+                    "layers": json.dumps(staged.layout), "boundaries": row["boundaries"]}
+        data = encode(staged.arrays, staged.layout, metadata)
         name = f"{snapshot_id}.safetensors"
         temp = self.dir / f".{snapshot_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp.safetensors"
         try:
@@ -179,13 +220,12 @@ class SnapshotStore:
         finally:
             temp.unlink(missing_ok=True)
         _fsync_dir(self.dir)
-        row = {"id": snapshot_id, "key": key, "tokens_hash": tokens_hash, "token_count": cache.length,
-               "boundaries": plan, "parent": parent, "bytes": len(data), "file": name,
-               "checksum": hashlib.sha256(data).hexdigest(), "created": now, "last_used": now, "hits": 0,
-               "pinned": existing["pinned"] if existing else 0}
+        now = time.time()
+        row.update({"bytes": len(data), "file": name, "checksum": hashlib.sha256(data).hexdigest(),
+                    "created": now, "last_used": now, "hits": 0})
         with self.write() as db:
             db["snapshots"].insert(row, replace=True)
-        self._remember(snapshot_id, data, layout)
+        self._remember(snapshot_id, data, staged.layout)
         return snapshot_id
 
     def evict(self, keep: Iterable[str] = ()) -> list[str]:
@@ -237,12 +277,16 @@ class SnapshotStore:
     def load(self, row: dict[str, Any], backend: Backend) -> CacheState:
         """The cache of a snapshot row, verified first; raises SnapshotError with the reason."""
         path = self.dir / row["file"]
-        hot = self._hot.get(row["id"])
-        if hot is not None and hot.stamp == _stamp(path):
-            self._hot.move_to_end(row["id"])
+        with self._hot_lock:
+            hot = self._hot.get(row["id"])
+            if hot is not None and hot.stamp == _stamp(path):
+                self._hot.move_to_end(row["id"])
+            else:
+                self._hot.pop(row["id"], None)
+                hot = None
+        if hot is not None:
             arrays, layout = hot.arrays, hot.layout
         else:
-            self._hot.pop(row["id"], None)
             try:
                 data = path.read_bytes()
             except FileNotFoundError:
@@ -276,10 +320,11 @@ class SnapshotStore:
             raise SnapshotError(f"snapshot {snapshot_id}: not a layout {LAYOUT_VERSION} snapshot")
         stamp = _stamp(self.dir / f"{snapshot_id}.safetensors")
         if stamp is not None and len(data) <= self.hot_bytes:
-            self._hot[snapshot_id] = _Hot(arrays, layout, len(data), stamp)
-            self._hot.move_to_end(snapshot_id)
-            while sum(h.nbytes for h in self._hot.values()) > self.hot_bytes:
-                self._hot.popitem(last=False)
+            with self._hot_lock:
+                self._hot[snapshot_id] = _Hot(arrays, layout, len(data), stamp)
+                self._hot.move_to_end(snapshot_id)
+                while sum(h.nbytes for h in self._hot.values()) > self.hot_bytes:
+                    self._hot.popitem(last=False)
         return arrays, layout
 
 

@@ -120,3 +120,25 @@ def test_prefill_attention_matches_the_row_path():
     rows = torch.stack([torch_cpu.attend_row(q[:, i], keys[:, : start + i + 1], values[:, : start + i + 1], 0.125)
                         for i in range(m)], dim=1)
     assert torch.allclose(batched, rows, atol=1e-5)
+
+
+def test_a_short_prefill_chunk_is_batched_and_decode_rows_are_not():
+    """Inside `prefill_chunk()` a 12-row pass takes the batched path (the same numbers up to rounding,
+    the same bits every time); outside it, and after it, the verify path's row-exactness holds."""
+    heads, kv_heads, d, start, m = 9, 3, 64, 40, 12
+    keys = probe(kv_heads * (start + m), d, seed=10).view(kv_heads, start + m, d)
+    values = probe(kv_heads * (start + m), d, seed=11).view(kv_heads, start + m, d)
+    q = probe(heads * m, d, seed=12).view(heads, m, d)
+    positions = torch.arange(start, start + m)
+    verify = torch_cpu.attention(q, keys, values, positions, 0.125)
+    with torch_cpu.prefill_chunk():
+        chunk = torch_cpu.attention(q, keys, values, positions, 0.125)
+        again = torch_cpu.attention(q, keys, values, positions, 0.125)
+    block = torch_cpu.attend_block(q, keys, values, positions, 0.125)
+    assert torch.equal(chunk, block) and torch.equal(chunk, again) and torch.allclose(chunk, verify, atol=1e-5)
+    with pytest.raises(RuntimeError), torch_cpu.prefill_chunk():
+        raise RuntimeError("a failed chunk")
+    after = torch_cpu.attention(q, keys, values, positions, 0.125)
+    single = [torch_cpu.attention(q[:, i : i + 1].contiguous(), keys[:, : start + i + 1], values[:, : start + i + 1],
+                                  positions[i : i + 1], 0.125) for i in range(m)]
+    assert torch.equal(after, verify) and all(torch.equal(after[:, i : i + 1], single[i]) for i in range(m))
