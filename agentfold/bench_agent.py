@@ -35,8 +35,6 @@ from pathlib import Path
 from statistics import median_low
 from typing import Any
 
-import agentfold  # noqa: F401  (fast BLAS before mlx)
-
 from .bench import finish_run, machine_info, run_header
 from .bench_server import REQUEST_TIMEOUT_S, BenchError, ServerProcess, client_for, dump_reply, stream_chat
 from .bench_suite import WARMUP, _model_entry

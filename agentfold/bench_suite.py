@@ -30,8 +30,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import agentfold  # noqa: F401  (fast BLAS before mlx)
-
 from .bench import _loadavg, copy_bandwidth, finish_run, machine_info, model_bytes, model_record, run_header
 from .bench_baselines import SPECULATIVE_SKIPPED, Baselines
 from .bench_server import BenchError, ServerProcess, assistant_message, client_for, dump_reply, stream_chat
