@@ -203,17 +203,18 @@ def test_audit_and_hooks(smollm2_engine, references):
         runtime.close()
 
 
+@pytest.mark.slow
 def test_a_long_prefill_runs_in_scheduled_chunks(smollm2_engine, references):
     """A long prompt's prefill is one pass per chunk: a short turn submitted after it finishes first,
     and both replies equal their solo serial runs (the chunks are the plan's, whoever runs between)."""
     ids, expected = references
     chunked = Engine(smollm2_engine.backend, smollm2_engine.tokenizer, smollm2_engine.eos_token_ids,
-                     drafter=smollm2_engine.drafter, exactness=smollm2_engine.exactness, chunk_size=64)
-    source = Path(__file__).read_text()[:5000]
+                     drafter=smollm2_engine.drafter, exactness=smollm2_engine.exactness, chunk_size=32)
+    source = Path(__file__).read_text()[:2400]
     long_ids = chat_ids(chunked.tokenizer, "Repeat the first test function above exactly.", system=source)
     assert len(long_ids) > 16 * chunked.chunk_size
-    config = GenerationConfig(max_tokens=24)
-    solo = chunked.generate(long_ids, GenerationConfig(max_tokens=24, draft=False))
+    config = GenerationConfig(max_tokens=16)
+    solo = chunked.generate(long_ids, GenerationConfig(max_tokens=16, draft=False))
     runtime = Runtime(chunked, "m", max_active=2)
     try:
         long_turn = runtime.submit(TurnRequest(long_ids, config))

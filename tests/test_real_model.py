@@ -75,6 +75,7 @@ def test_self_check_allows_drafting(smollm2_engine):
     assert all(report.checked[w] for w in range(2, report.max_width + 1))
 
 
+@pytest.mark.slow
 def test_suffix_drafted_equals_serial(smollm2_engine, prompts, serial):
     drafted_total = accepted_total = 0
     for (index, params), reference in serial.items():
@@ -92,6 +93,7 @@ def _draft_engine(target: Engine, draft: LoadedModel) -> Engine:
                   drafter=DraftModelDrafter(MLXBackend(draft)), exactness=target.exactness)
 
 
+@pytest.mark.slow
 def test_target_as_its_own_draft_model(smollm2_engine, smollm2_gguf, prompts, serial):
     engine = _draft_engine(smollm2_engine, load_model(smollm2_gguf))
     cases = [key for key in serial if key[0] in (0, 1, 3, 4)]
@@ -103,6 +105,7 @@ def test_target_as_its_own_draft_model(smollm2_engine, smollm2_gguf, prompts, se
     assert accepted > 0
 
 
+@pytest.mark.slow
 def test_random_weight_draft_model(smollm2_engine, prompts, serial):
     """A draft model of the same vocabulary with random weights: mostly rejected, still exact."""
     import mlx.core as mx

@@ -37,6 +37,7 @@ def chat(client, messages, session: str | None = None, **extra):
                                           extra_headers=headers, extra_body=extra or None)
 
 
+@pytest.mark.slow
 def test_second_turn_resumes_and_equals_fresh(stack, smollm2_engine, tmp_path):
     service, client, _ = stack
     first = chat(client, TURN1, session="s-1")
@@ -64,6 +65,7 @@ READ_FILE = {"type": "function", "function": {"name": "read_file", "description"
                                                               "required": ["path"], "additionalProperties": False}}}
 
 
+@pytest.mark.slow
 def test_turn_after_a_forced_tool_call_reuses_the_cache(stack, smollm2_engine, tmp_path):
     """The forced-call instruction is a turn of its own after the history, so the next turn (whose
     history lacks it) restores the snapshot taken before it, and still equals a fresh server."""
