@@ -125,6 +125,10 @@ def test_audits_pass_inline_and_later(stack):
 
 def test_metrics_count_the_turns_served(stack):
     service, client, server = stack
+    first = [{"role": "user", "content": "Name a tree."}]
+    reply = chat(client, first, session="s-metrics")
+    chat(client, [*first, {"role": "assistant", "content": reply.choices[0].message.content},
+                  {"role": "user", "content": "And a flower?"}], session="s-metrics")  # a resumed turn: cache hits
     service.telemetry.flush()
     rows = service.telemetry.list_turns(limit=1000)
     text = httpx.get(server.url + "/metrics").text
