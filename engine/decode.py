@@ -211,7 +211,7 @@ class Engine:
 
         Each prefill chunk is a step of its own so a scheduler can run other replies' passes
         between the chunks of a long prompt. `on_prefill(cache)` is called after every chunk
-        (the session layer snapshots the cache where the plan's last cut falls).
+        (the session layer snapshots the cache where the reply starts).
         """
         return Generation(self._decode(prompt, config, cache, cuts, on_prefill))
 

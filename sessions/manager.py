@@ -99,7 +99,8 @@ def reply_start(plan: Sequence[int], cuts: Sequence[int]) -> int:
     Not the plan's last boundary: a chunk-grid point can fall after the reply's start, inside a
     server-side instruction turn or the generation prompt, which the next turn's prompt lacks.
     """
-    on_plan = [c for c in cuts if c in set(plan)]
+    boundaries = set(plan)
+    on_plan = [c for c in cuts if c in boundaries]
     return max(on_plan) if on_plan else (plan[-1] if plan else 0)
 
 
