@@ -1,14 +1,30 @@
-"""AgentFold: a local inference runtime for coding agents, with exact speculative decoding."""
+"""AgentFold: a local inference runtime for coding agents, with exact speculative decoding.
+
+Importing the package does nothing but name the version: entry points call `prepare_process()`
+first (the CLI's `main`, the test suite's conftest), so no import order decides which BLAS runs.
+"""
+
+from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from agentfold.kernels.blas import setup as _setup_blas
-
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" on every start
-# torch's OpenMP workers sleep instead of spinning when they wait: on a few shared cores (MLX's BLAS
-# threads, a server, other jobs) spinning workers stall each other (14x slower decode measured)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-BLAS = _setup_blas()  # must run before anything imports mlx.core
+if TYPE_CHECKING:
+    from agentfold.kernels.blas import BlasChoice
 
 __version__ = "0.1.0"
+
+
+def prepare_process() -> BlasChoice:
+    """Process-wide set-up, before anything imports mlx.core or torch.
+
+    Loads the fast BLAS for MLX's CPU matmuls (it must be loaded before `mlx.core`), keeps
+    transformers quiet, and lets torch's OpenMP workers sleep instead of spinning while they wait:
+    on a few shared cores spinning workers stall each other (14x slower decode measured).
+    Idempotent; returns the BLAS choice.
+    """
+    from agentfold.kernels.blas import setup
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return setup()

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .selfcheck import ExactnessReport
+from agentfold.engine.selfcheck import ExactnessReport
 
 TYPICAL_ACCEPTANCE = 0.7  # per-draft acceptance used to compare pass costs (code edits run higher)
 

@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .constraints import GrammarConstraint
-from .depth import DepthController
-from .drafters import Drafter
-from .protocol import Backend, CacheState
-from .sampler import SamplingParams, choose
-from .selfcheck import ExactnessReport
+from agentfold.engine.constraints import GrammarConstraint
+from agentfold.engine.depth import DepthController
+from agentfold.engine.drafters import Drafter
+from agentfold.engine.protocol import Backend, CacheState
+from agentfold.engine.sampler import SamplingParams, choose
+from agentfold.engine.selfcheck import ExactnessReport
 
 PrefillObserver = Callable[[CacheState], None]
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .sampler import SamplingParams, choose
+from agentfold.engine.sampler import SamplingParams, choose
 
 
 class Drafter(Protocol):

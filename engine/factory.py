@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from . import backend_choice
-from .backend import MLXBackend
-from .decode import Engine
-from .drafters import DraftModelDrafter, SuffixLookupDrafter
-from .loader import LoadedModel, load_model
-from .selfcheck import check_row_exactness
+from agentfold.engine import backend_choice
+from agentfold.engine.decode import Engine
+from agentfold.engine.drafters import DraftModelDrafter, SuffixLookupDrafter
+from agentfold.engine.mlx.backend import MLXBackend
+from agentfold.engine.mlx.loader import LoadedModel, load_model
+from agentfold.engine.selfcheck import check_row_exactness
 
 DRAFTERS = ("suffix", "draft-model", "none")
 
@@ -30,8 +30,8 @@ def _loader(backend: str, dtype: str | None, device: str,
         return (lambda m: m if isinstance(m, LoadedModel) else load_model(m, chosen, say)), MLXBackend
     if backend == "torch":
         try:
-            from .torch_backend import TorchBackend
-            from .torch_loader import load_torch_model
+            from agentfold.engine.torch.backend import TorchBackend
+            from agentfold.engine.torch.loader import load_torch_model
         except ImportError as error:
             raise ValueError(f"the torch backend needs PyTorch ({error}): pip install 'agentfold[torch]'") from None
         chosen = dtype or "auto"

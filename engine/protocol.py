@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:  # the loader imports MLX; the protocol must not
-    from .loader import LoadedModel
+    from agentfold.engine.mlx.loader import LoadedModel
 
 
 @dataclass

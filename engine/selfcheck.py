@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .protocol import Backend
+from agentfold.engine.protocol import Backend
 
 
 @dataclass

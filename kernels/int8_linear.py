@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import int8_rows
+from agentfold.kernels import int8_rows
 
 VERSION = 1  # bump when the arithmetic changes (it is part of snapshot keys)
 WEIGHT_LEVELS = 127  # int8 weights in [-127, 127]

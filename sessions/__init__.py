@@ -10,9 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .index import SessionIndex, SessionsError
-    from .manager import SessionManager, TurnInfo, snapshot_key
-    from .snapshots import SnapshotError, SnapshotStore
+    from agentfold.sessions.index import SessionIndex, SessionsError
+    from agentfold.sessions.manager import SessionManager, TurnInfo, snapshot_key
+    from agentfold.sessions.snapshots import SnapshotError, SnapshotStore
 
 _HOME = {"SessionIndex": "index", "SessionsError": "index", "SessionManager": "manager", "TurnInfo": "manager",
          "snapshot_key": "manager", "SnapshotError": "snapshots", "SnapshotStore": "snapshots"}

@@ -25,7 +25,7 @@ from typing import Any
 
 import sqlite_utils
 
-from .recovery import Recovery, recover
+from agentfold.sessions.recovery import Recovery, recover
 
 SCHEMA = {
     "snapshots": {

@@ -24,10 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.decode import Completion, Engine, GenerationConfig
-from ..engine.protocol import CacheState
-from .ids import check_session_id
-from .snapshots import DEFAULT_BUDGET, DEFAULT_HOT_BYTES, LAYOUT_VERSION, SnapshotError, SnapshotStore, StagedSnapshot
+from agentfold.engine.decode import Completion, Engine, GenerationConfig
+from agentfold.engine.protocol import CacheState
+from agentfold.sessions.ids import check_session_id
+from agentfold.sessions.snapshots import (
+    DEFAULT_BUDGET,
+    DEFAULT_HOT_BYTES,
+    LAYOUT_VERSION,
+    SnapshotError,
+    SnapshotStore,
+    StagedSnapshot,
+)
 
 log = logging.getLogger(__name__)
 

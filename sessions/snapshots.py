@@ -37,11 +37,11 @@ import numpy as np
 import safetensors
 import sqlite_utils
 
-from ..engine.cache_layout import BITS, array_name, mark_bits, split_name
-from .index import SessionIndex
+from agentfold.engine.cache_layout import BITS, array_name, mark_bits, split_name
+from agentfold.sessions.index import SessionIndex
 
 if TYPE_CHECKING:
-    from ..engine.protocol import Backend, CacheState
+    from agentfold.engine.protocol import Backend, CacheState
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The store is now two modules: `index` (the SQLite session index, no MLX) and `sn
 safetensors files and their in-memory LRU). Import from those.
 """
 
-from .index import default_home
-from .snapshots import SnapshotError, SnapshotStore
+from agentfold.sessions.index import default_home
+from agentfold.sessions.snapshots import SnapshotError, SnapshotStore
 
 __all__ = ["SnapshotError", "SnapshotStore", "default_home"]

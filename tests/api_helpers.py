@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 
-from agentfold.runtime import Runtime
-from agentfold.server.app import create_app
+from agentfold.http.app import create_app
+from agentfold.serve.scheduler import Runtime
 
 MODEL_ID = "SmolLM2-135M-Instruct"
 

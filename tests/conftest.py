@@ -8,9 +8,13 @@ from pathlib import Path
 import pytest
 from tqdm import tqdm
 
-from agentfold.engine.factory import build_engine
-from agentfold.engine.loader import convert_gguf
-from agentfold.models import cache_dir, default_model_path, gemma3_path
+from agentfold import prepare_process
+
+prepare_process()  # the fast BLAS loads before any test module imports mlx.core
+
+from agentfold.engine.factory import build_engine  # noqa: E402
+from agentfold.engine.mlx.loader import convert_gguf  # noqa: E402
+from agentfold.serve.models import cache_dir, default_model_path, gemma3_path  # noqa: E402
 
 
 def converted(gguf: Path, dtype: str = "float32") -> Path:

@@ -11,10 +11,9 @@ from typing import Any
 
 import httpx
 
-from agentfold.runtime import Runtime
-from agentfold.service import Service, build_app
-
-from .api_helpers import MODEL_ID, ServerThread
+from agentfold.serve.scheduler import Runtime
+from agentfold.serve.service import Service, build_app
+from tests.api_helpers import MODEL_ID, ServerThread
 
 STORE_TABLES = ("sessions", "turns", "snapshots")
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 import json
 import sys
 
-from agentfold.engine.decode import GenerationConfig
-from agentfold.engine.factory import build_engine
-from agentfold.models import default_model_path
-from agentfold.sessions import SessionManager
+from agentfold import prepare_process
+
+prepare_process()
+
+from agentfold.engine.decode import GenerationConfig  # noqa: E402
+from agentfold.engine.factory import build_engine  # noqa: E402
+from agentfold.serve.models import default_model_path  # noqa: E402
+from agentfold.sessions import SessionManager  # noqa: E402
 
 
 def main() -> None:

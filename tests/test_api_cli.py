@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from agentfold.server.cli import add_parser, default_aliases, run
+from agentfold.cli.serve import add_parser, default_aliases, run
 
 
 def parse(*argv: str) -> argparse.Namespace:

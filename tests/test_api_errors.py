@@ -7,9 +7,8 @@ import httpx
 import openai
 import pytest
 
-from agentfold.server.app import create_app
-
-from .api_helpers import ServerThread, api_server  # noqa: F401  (fixture)
+from agentfold.http.app import create_app
+from tests.api_helpers import ServerThread, api_server  # noqa: F401  (fixture)
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 CHAT = "/v1/chat/completions"

@@ -11,7 +11,7 @@ import pytest
 
 from agentfold.engine.decode import Engine, GenerationConfig
 from agentfold.engine.sampler import SamplingParams
-from agentfold.runtime import (
+from agentfold.serve.scheduler import (
     Runtime,
     TextPiece,
     ToolCall,
@@ -22,8 +22,7 @@ from agentfold.runtime import (
     parse_output,
     render_chat,
 )
-
-from .conftest import chat_ids
+from tests.conftest import chat_ids
 
 WEATHER = ToolSpec("get_weather", "Get the current weather for a city.",
                    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})

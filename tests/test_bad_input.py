@@ -16,7 +16,7 @@ import openai
 import pytest
 from mcp import Client
 
-from .reliability_helpers import assert_api_error, service_server, store_state
+from tests.reliability_helpers import assert_api_error, service_server, store_state
 
 pytestmark = pytest.mark.anyio
 

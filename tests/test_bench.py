@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from agentfold import bench_llamacpp
-from agentfold.bench import CODE_EDIT_WINDOW, bench_decode, code_edit_source, workloads
-from agentfold.bench_llamacpp import NOT_INSTALLED
+from agentfold.bench import llamacpp as bench_llamacpp
+from agentfold.bench.decode import CODE_EDIT_WINDOW, bench_decode, code_edit_source, workloads
+from agentfold.bench.llamacpp import NOT_INSTALLED
 
 TOP_KEYS = {
     "schema", "timestamp", "duration_seconds", "quick", "max_tokens", "sampling", "machine", "versions", "blas",

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from agentfold.bench_quality import (
+from agentfold.bench.quality import (
     DEFAULT_LIMIT_PCT,
     _across_backends,
     _first_difference,

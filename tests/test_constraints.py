@@ -8,8 +8,7 @@ import re
 from agentfold.engine.constraints import json_object_grammar, tool_call_grammar
 from agentfold.engine.decode import GenerationConfig
 from agentfold.engine.sampler import SamplingParams
-
-from .conftest import chat_ids
+from tests.conftest import chat_ids
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",

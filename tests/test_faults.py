@@ -24,11 +24,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentfold.server.process import ServerProcess
+from agentfold.bench.harness import ServerProcess
 from agentfold.sessions.store import SnapshotStore
-
-from .api_helpers import api_server, wait_idle  # noqa: F401  (fixture)
-from .reliability_helpers import check_store, service_server, store_state
+from tests.api_helpers import api_server, wait_idle  # noqa: F401  (fixture)
+from tests.reliability_helpers import check_store, service_server, store_state
 
 SERVE = ["--no-draft"]  # no self-check at start-up: the restarts stay quick (replies are the same bytes)
 STORY = ("The lighthouse keeper counted the ships that passed each night, wrote their names in a ledger, "

@@ -98,7 +98,8 @@ def test_int8_weights_track_the_float_layer():
 MLX_CHECK = """
 import json, sys
 import numpy as np
-import agentfold
+from agentfold import prepare_process
+BLAS = prepare_process()
 import mlx.core as mx
 from agentfold.kernels import mlx_int8
 sys.path.insert(0, {tests!r})
@@ -112,7 +113,7 @@ for index, (k, n) in enumerate(SHAPES):
 x = mx.array(activations(577, 5))
 plain, fused = mlx_int8.quantize_rows(x), mlx_int8._quantize_compiled(x)
 same = [bool(np.array_equal(np.array(a), np.array(b))) for a, b in zip(plain, fused)]
-print(json.dumps({{"failures": failures, "blas": agentfold.BLAS.name, "compiled_equals_plain": same}}))
+print(json.dumps({{"failures": failures, "blas": BLAS.name, "compiled_equals_plain": same}}))
 """
 
 

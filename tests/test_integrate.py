@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agentfold import integrate
-from agentfold.integrate import CLIENTS, UI_ONLY, Env, Settings
+from agentfold.integrations import writer as integrate
+from agentfold.integrations.writer import CLIENTS, UI_ONLY, Env, Settings
 
 GOLDEN = Path(__file__).parent / "golden" / "integrate"
 UPDATE = os.environ.get("AGENTFOLD_UPDATE_GOLDEN") == "1"

@@ -50,7 +50,7 @@ def test_the_walker_sees_relative_and_lazy_imports():
     assert ("sessions/manager.py", "agentfold.engine.decode") in found  # `from ..engine.decode import ...`
     assert ("sessions/snapshots.py", "agentfold.sessions.index") in found  # `from .index import ...`
     assert ("sessions/index.py", "sqlite_utils") in found
-    assert ("engine/torch_backend.py", "agentfold.engine.cache_layout") in {(w, m) for w, _, m in imports("engine")}
+    assert ("engine/torch/backend.py", "agentfold.engine.cache_layout") in {(w, m) for w, _, m in imports("engine")}
 
 
 def test_sessions_never_import_mlx():

@@ -1,6 +1,6 @@
 """16 concurrent streaming clients through the real server: no errors, exact replies, fair, flat memory.
 
-The quick CI variant of `agentfold loadtest` (agentfold.loadtest.run_load, the same code): two
+The quick CI variant of `agentfold loadtest` (agentfold.bench.load.run_load, the same code): two
 short rounds on the full serving stack (sessions on) with 4 tokens per reply. Every streamed reply,
 decoded while up to three others interleave pass by pass, must equal its serial `draft: false`
 reference; every client completes a reply in every round and gets at least half the tokens of the
@@ -14,9 +14,8 @@ import asyncio
 
 import pytest
 
-from agentfold.loadtest import MIB, run_load
-
-from .reliability_helpers import service_server
+from agentfold.bench.load import MIB, run_load
+from tests.reliability_helpers import service_server
 
 CLIENTS = 16
 

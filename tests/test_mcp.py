@@ -22,12 +22,11 @@ from agentfold.engine.decode import GenerationConfig
 from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import NoiseDrafter
 from agentfold.engine.sampler import SamplingParams
-from agentfold.mcp_server import HIDDEN_TURN_FIELDS, build_mcp, mount_mcp
-from agentfold.runtime import Runtime, render_chat
-from agentfold.server.app import create_app
-from agentfold.service import Service
-
-from .api_helpers import MODEL_ID, ServerThread
+from agentfold.http.app import create_app
+from agentfold.mcp.server import HIDDEN_TURN_FIELDS, build_mcp, mount_mcp
+from agentfold.serve.scheduler import Runtime, render_chat
+from agentfold.serve.service import Service
+from tests.api_helpers import MODEL_ID, ServerThread
 
 pytestmark = pytest.mark.anyio
 

@@ -26,14 +26,14 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported: the grouped kernel on CPU
 
 from agentfold.engine.decode import Engine, GenerationConfig  # noqa: E402
-from agentfold.engine.expert_placement import ExpertPlacement, load_profile  # noqa: E402
-from agentfold.engine.expert_quant import expert_forward, int_matmul, quantize_activations, random_layer  # noqa: E402
-from agentfold.engine.offload import ExpertOffload, install_offload  # noqa: E402
+from agentfold.engine.moe.offload import ExpertOffload, install_offload  # noqa: E402
+from agentfold.engine.moe.placement import ExpertPlacement, load_profile  # noqa: E402
+from agentfold.engine.moe.quant import expert_forward, int_matmul, quantize_activations, random_layer  # noqa: E402
 from agentfold.engine.sampler import SamplingParams  # noqa: E402
 from agentfold.engine.selfcheck import check_row_exactness  # noqa: E402
-from agentfold.engine.torch_backend import TorchBackend  # noqa: E402
-from agentfold.engine.torch_loader import load_torch_model  # noqa: E402
-from agentfold.telemetry import TelemetryStore, TurnRecord  # noqa: E402
+from agentfold.engine.torch.backend import TorchBackend  # noqa: E402
+from agentfold.engine.torch.loader import load_torch_model  # noqa: E402
+from agentfold.serve.telemetry import TelemetryStore, TurnRecord  # noqa: E402
 
 try:
     from tests.test_tiny_models import FlawedOracleDrafter, PinnedDepth
@@ -129,8 +129,7 @@ def test_bad_settings_are_clear_errors(tmp_path):
     bad.write_text(json.dumps({"layers": {}}))
     with pytest.raises(ValueError, match="routing profile"):
         load_profile(bad)
-    from agentfold.engine import torch_models
-
+    from agentfold.engine.torch import models as torch_models
     with torch.device("meta"):
         dense = torch_models.build(tiny_config("llama", 64))
     with pytest.raises(ValueError, match="no MoE blocks"):
@@ -244,7 +243,7 @@ def test_offload_counters_reach_the_turn_record(moe, tmp_path):
 
 
 def test_bench_offload_writes_a_complete_json(tmp_path):
-    from agentfold.bench_offload import SMALL_MOE, bench_offload
+    from agentfold.bench.offload import SMALL_MOE, bench_offload
 
     plan = {"moe": {**SMALL_MOE, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2},
             "moe_tokens": 6, "moe_width": 2, "calibration_tokens": 8, "dense_tokens": 4, "dense_width": 2,
@@ -252,7 +251,7 @@ def test_bench_offload_writes_a_complete_json(tmp_path):
     out = tmp_path / "offload.json"
     bench_offload(out, quick=True, device="cpu", progress=None, plan=plan)
     data = json.loads(out.read_text())
-    assert data["schema"] == "agentfold.bench.offload/1" and data["complete"]
+    assert data["schema"] == "agentfold.bench.decode.offload/1" and data["complete"]
     assert data["duration_seconds"] > 0 and data["machine"]["cpu_count"] >= 1
     budgets = data["moe"]["budgets"]
     assert [(b["fraction"], b["copy_share"]) for b in budgets] == [(0.25, 0), (0.5, 0), (1.0, 0), (0.25, 1.0)]

@@ -1,4 +1,4 @@
-"""`agentfold stats`, `audit` and `mcp` (agentfold.ops_cli) on a home with real telemetry rows.
+"""`agentfold stats`, `audit` and `mcp` (agentfold.cli.ops) on a home with real telemetry rows.
 
 The rows come from real turns of the SmolLM2 engine through a Service. `audit` runs in-process
 with `load_engine` handing it the already-loaded engine; `stats` runs in a subprocess too, to
@@ -20,11 +20,11 @@ import anyio
 import pytest
 from mcp import Client, StdioServerParameters
 
-from agentfold import ops_cli
+from agentfold.cli import ops as ops_cli
 from agentfold.engine.decode import GenerationConfig
-from agentfold.runtime import Runtime, TurnRequest
-from agentfold.service import Service
-from agentfold.telemetry import TurnRecord
+from agentfold.serve.scheduler import Runtime, TurnRequest
+from agentfold.serve.service import Service
+from agentfold.serve.telemetry import TurnRecord
 
 SESSION = "cli-session"
 
@@ -60,7 +60,7 @@ def home(smollm2_engine, tmp_path_factory) -> dict:
 
 
 def stored_rows(path: Path) -> list[dict]:
-    from agentfold.telemetry import TelemetryStore
+    from agentfold.serve.telemetry import TelemetryStore
 
     with TelemetryStore(path / "telemetry.sqlite") as store:
         return store.list_turns()
@@ -75,7 +75,7 @@ def test_stats_table(home, capsys):
 
 
 def test_stats_json_matches_the_store(home, capsys):
-    from agentfold.telemetry import TelemetryStore
+    from agentfold.serve.telemetry import TelemetryStore
 
     assert ops_cli.main(["stats", "--home", str(home["path"]), "--session", SESSION, "--last", "5", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
@@ -89,7 +89,7 @@ def test_stats_json_matches_the_store(home, capsys):
 
 def test_stats_reads_sqlite_only(home, tmp_path):
     """No MLX (so no model) is imported, and an empty home stays empty."""
-    code = ("import json, sys; from agentfold.ops_cli import main; "
+    code = ("import json, sys; from agentfold.cli.ops import main; "
             "rc = main(['stats', '--json', '--home', sys.argv[1]]); rc2 = main(['stats', '--home', sys.argv[2]]); "
             "print(json.dumps([rc, rc2, [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')]]))")
     done = subprocess.run([sys.executable, "-c", code, str(home["path"]), str(tmp_path / "empty")],
@@ -135,7 +135,7 @@ def test_audit_exit_codes(home, smollm2_engine, monkeypatch, capsys):
 def test_mcp_over_stdio(home, tmp_path):
     """`agentfold mcp` as a client launches it: tools listed, a tool answered, nothing else on stdout."""
     params = StdioServerParameters(
-        command=sys.executable, args=["-m", "agentfold.ops_cli", "mcp", "--drafter", "none",
+        command=sys.executable, args=["-m", "agentfold.cli.ops", "mcp", "--drafter", "none",
                                       "--home", str(home["path"])], env=dict(os.environ))
 
     async def go() -> tuple[set[str], dict, dict]:

@@ -8,14 +8,13 @@ import textwrap
 
 import pytest
 
-from agentfold.engine.backend import MLXBackend
 from agentfold.engine.decode import Engine, GenerationConfig
 from agentfold.engine.drafters import DraftModelDrafter
-from agentfold.engine.loader import LoadedModel, load_model
+from agentfold.engine.mlx.backend import MLXBackend
+from agentfold.engine.mlx.loader import LoadedModel, load_model
 from agentfold.engine.sampler import SamplingParams
 from agentfold.engine.selfcheck import check_row_exactness
-
-from .conftest import chat_ids
+from tests.conftest import chat_ids
 
 SNIPPET = textwrap.dedent(inspect.getsource(json.dumps))[:900]
 CODE = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"

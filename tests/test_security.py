@@ -22,14 +22,13 @@ import openai
 import pytest
 from mcp import Client
 
-from agentfold.limits import DEFAULT_MAX_BODY_BYTES
-from agentfold.runtime import Runtime
-from agentfold.server.app import Server
-from agentfold.server.auth import ApiKey
-from agentfold.server.cli import add_parser, check_limits
-
-from .api_helpers import MODEL_ID, wait_idle
-from .reliability_helpers import assert_api_error, service_server
+from agentfold.cli.serve import add_parser, check_limits
+from agentfold.http.app import Server
+from agentfold.http.auth import ApiKey
+from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES
+from agentfold.serve.scheduler import Runtime
+from tests.api_helpers import MODEL_ID, wait_idle
+from tests.reliability_helpers import assert_api_error, service_server
 
 pytestmark = pytest.mark.anyio
 

@@ -1,10 +1,10 @@
 """Prefill cuts from the memo equal cuts rendered from scratch, and a conversation's next turn
-renders only its new prefix (agentfold.server.cuts)."""
+renders only its new prefix (agentfold.chat.cuts)."""
 
 from __future__ import annotations
 
-from agentfold.runtime import render_chat
-from agentfold.server.cuts import PrefixMemo, message_cuts, tools_salt
+from agentfold.chat.cuts import PrefixMemo, message_cuts, tools_salt
+from agentfold.serve.scheduler import render_chat
 from agentfold.sessions.manager import assistant_cuts
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {

@@ -356,8 +356,8 @@ def test_arrays_for_another_cache_are_refused(tiny, tmp_path):
 def test_torch_bfloat16_snapshot_is_a_standard_file(tmp_path):
     """The torch backend stores bfloat16 through numpy too (no MLX detour); MLX reads the same bits."""
     torch = pytest.importorskip("torch")
-    from agentfold.engine.torch_backend import TorchBackend
-    from agentfold.engine.torch_loader import load_torch_model
+    from agentfold.engine.torch.backend import TorchBackend
+    from agentfold.engine.torch.loader import load_torch_model
 
     try:
         from tests.torch_tiny import write_folder

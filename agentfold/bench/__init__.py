@@ -1,0 +1,1 @@
+"""Benchmarks: decode, sessions, agent transcript, load, offload, the suite and its report."""

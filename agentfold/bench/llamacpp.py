@@ -1,0 +1,157 @@
+"""The llama.cpp row of `agentfold bench decode`: the same GGUF and prompts through llama-cpp-python.
+
+llama.cpp is the CPU runtime people compare against, so the decode bench puts it in the same run,
+on the same file, prompts and reply length: greedy serial decoding, and its prompt-lookup decoding
+(`LlamaPromptLookupDecoding`, the closest thing it has to AgentFold's suffix drafter). It runs the
+GGUF's own quantized weights (Q4_1 for the default model) with its own kernels, so its replies are
+compared with AgentFold's serial reply and reported, never required to match. llama-cpp-python is
+an optional extra (`pip install 'agentfold[llamacpp]'`, it compiles llama.cpp): without it the row
+says why it is missing instead of failing the bench.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+NOT_INSTALLED = "llama-cpp-python is not installed (pip install llama-cpp-python)"
+LOOKUP_NGRAM = 2  # LlamaPromptLookupDecoding's defaults
+LOOKUP_DRAFTS = 10
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(float(value), digits)
+
+
+def _steady_tps(times: Sequence[float], first_burst: int) -> float | None:
+    from agentfold.bench.decode import steady_tps
+
+    return steady_tps(times, first_burst)
+
+
+class LlamaCpp:
+    """llama.cpp models for one GGUF: a serial one and, where the binding has it, a prompt-lookup one.
+
+    Two instances because llama-cpp-python fixes the drafter when a model is created.
+    """
+
+    def __init__(self, gguf: Path, n_ctx: int, threads: int) -> None:
+        import llama_cpp
+
+        self.path = gguf
+        self.threads = threads
+        self.version = getattr(llama_cpp, "__version__", None)
+        began = time.perf_counter()
+        self.serial = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads,
+                                      n_threads_batch=threads, verbose=False)
+        self.load_seconds = time.perf_counter() - began
+        self.lookup = None
+        self.lookup_missing: str | None = None
+        try:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        except ImportError as error:
+            self.lookup_missing = f"this llama-cpp-python has no prompt-lookup decoding ({error})"
+        else:
+            drafter = LlamaPromptLookupDecoding(max_ngram_size=LOOKUP_NGRAM, num_pred_tokens=LOOKUP_DRAFTS)
+            self.lookup = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads,
+                                          n_threads_batch=threads, draft_model=drafter, verbose=False)
+
+    def describe(self) -> dict[str, Any]:
+        return {"version": self.version, "model": str(self.path), "threads": self.threads,
+                "load_seconds": round(self.load_seconds, 3),
+                "prompt_lookup": (self.lookup_missing if self.lookup is None else
+                                  {"drafter": "LlamaPromptLookupDecoding", "max_ngram_size": LOOKUP_NGRAM,
+                                   "num_pred_tokens": LOOKUP_DRAFTS}),
+                "sampling": "greedy (temp 0, repeat_penalty 1)",
+                "weights": "the GGUF's own (quantized) tensors, llama.cpp's kernels"}
+
+    def close(self) -> None:
+        for model in (self.serial, self.lookup):
+            close = getattr(model, "close", None)
+            if close is not None:
+                close()
+
+
+def open_llama_cpp(model_path: Path, n_ctx: int, threads: int) -> tuple[LlamaCpp | None, dict[str, Any]]:
+    """The llama.cpp runner for `model_path` and its description, or None and `{"skipped": why}`."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, {"skipped": NOT_INSTALLED}
+    if model_path.suffix.lower() != ".gguf" or not model_path.is_file():
+        return None, {"skipped": f"{model_path} is not a GGUF file (llama.cpp reads GGUF only)"}
+    try:
+        runner = LlamaCpp(model_path, n_ctx, threads)
+    except (ImportError, OSError, RuntimeError, ValueError) as error:
+        return None, {"skipped": f"llama-cpp-python could not load {model_path.name}: {type(error).__name__}: {error}"}
+    return runner, runner.describe()
+
+
+def decode(llm: Any, prompt: Sequence[int], max_tokens: int, stop_ids: Iterable[int]) -> dict[str, Any]:
+    """Greedy `Llama.generate` of at most `max_tokens` tokens (the stop token included, as the engine counts).
+
+    Rates as for the engine: (n - 1) / (t_last - t_first) after the prompt pass, which commits one
+    token (drafts are only proposed after it).
+    """
+    stops = set(int(t) for t in stop_ids) | {int(llm.token_eos())}
+    tokens: list[int] = []
+    times: list[float] = []
+    finish = "length"
+    started = time.perf_counter()
+    generator = llm.generate(list(prompt), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
+    try:
+        for token in generator:
+            times.append(time.perf_counter())
+            tokens.append(int(token))
+            if int(token) in stops:
+                finish = "stop"
+                break
+            if len(tokens) >= max_tokens:
+                break
+    finally:
+        generator.close()
+    decode_seconds = times[-1] - times[0] if len(times) > 1 else 0.0
+    from agentfold.bench.decode import _token_sha
+
+    return {
+        "completion_tokens": len(tokens),
+        "finish_reason": finish,
+        "steady_tps": _round(_steady_tps(times, 1)),
+        "decode_tps": _round((len(tokens) - 1) / decode_seconds) if decode_seconds > 0 else 0.0,
+        "first_pass_tokens": 1 if tokens else 0,
+        "ttft_seconds": _round(times[0] - started, 4) if times else None,
+        "decode_seconds": _round(decode_seconds, 4),
+        "total_seconds": _round((times[-1] if times else time.perf_counter()) - started, 4),
+        "token_sha": _token_sha(tokens),
+        "tokens": tokens,
+    }
+
+
+def workload_row(runner: LlamaCpp, prompt: Sequence[int], max_tokens: int, stop_ids: Iterable[int],
+                 serial_tokens: Sequence[int], serial_tps: float | None) -> dict[str, Any]:
+    """llama.cpp serial and prompt-lookup decode of one workload, against AgentFold's serial reply."""
+    stop_ids = list(stop_ids)
+    serial = decode(runner.serial, prompt, max_tokens, stop_ids)
+    row: dict[str, Any] = {
+        "serial_tps": serial["steady_tps"],
+        "agentfold_serial_vs_llama_cpp": _ratio(serial_tps, serial["steady_tps"]),
+        "identical_to_agentfold_serial": serial["tokens"] == list(serial_tokens),
+    }
+    lookup = None
+    if runner.lookup is not None:
+        lookup = decode(runner.lookup, prompt, max_tokens, stop_ids)
+        row.update({
+            "prompt_lookup_tps": lookup["steady_tps"],
+            "prompt_lookup_speedup": _ratio(lookup["steady_tps"], serial["steady_tps"]),
+            "prompt_lookup_identical_to_its_serial": lookup["tokens"] == serial["tokens"],
+            "prompt_lookup_identical_to_agentfold_serial": lookup["tokens"] == list(serial_tokens),
+        })
+    row["serial"] = {k: v for k, v in serial.items() if k != "tokens"}
+    row["prompt_lookup"] = ({k: v for k, v in lookup.items() if k != "tokens"} if lookup is not None
+                            else {"skipped": runner.lookup_missing})
+    return row
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a and b else None

@@ -1,0 +1,1 @@
+"""Model-facing chat: the chat template, tool calls, prefill cuts; no HTTP."""

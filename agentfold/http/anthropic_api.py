@@ -1,0 +1,279 @@
+"""Anthropic Messages (`POST /v1/messages`, `/v1/messages/count_tokens`), as Claude Code uses them.
+
+Claude Code sends `system` as a block array, `tool_use` / `tool_result` blocks, `thinking`
+settings and `anthropic-beta` headers, on `/v1/messages?beta=true`. The stream is the full event
+sequence: `message_start`, `ping`, per block `content_block_start` / `_delta` (`text_delta`,
+`input_json_delta`) / `_stop` (text first, then tool_use blocks), `message_delta` with the stop
+reason and usage, `message_stop`. Anthropic's `input_tokens` excludes cache reads, which are
+reported as `cache_read_input_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from agentfold.http.common import (
+    SSE_HEADERS,
+    ApiError,
+    ChatPlan,
+    Outcome,
+    check_schema,
+    collect,
+    drive,
+    get_bool,
+    get_float,
+    get_int,
+    get_seed,
+    get_session_id,
+    get_stop,
+    get_str,
+    new_id,
+    parse_tool_choice,
+    prepare,
+    sse,
+)
+from agentfold.serve.scheduler import TextPiece, ToolCall, ToolSpec, render_chat
+
+log = logging.getLogger(__name__)
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(error: ApiError) -> JSONResponse:
+    kind = ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": error.message}},
+                        status_code=error.status)
+
+
+def _blocks_text(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ApiError(f"'{where}' must be a string or an array of content blocks.")
+    parts = []
+    for j, block in enumerate(value):
+        if not isinstance(block, dict):
+            raise ApiError(f"'{where}[{j}]' must be an object.")
+        if block.get("type", "text") == "text":
+            text = block.get("text")
+            if not isinstance(text, str):
+                raise ApiError(f"'{where}[{j}].text' must be a string.")
+            parts.append(text)
+    return "\n".join(parts)
+
+
+def parse_messages(value: Any, system: Any) -> list[dict[str, Any]]:
+    """Anthropic messages (+ system) as chat messages: tool_result blocks become tool messages."""
+    if not isinstance(value, list):
+        raise ApiError("messages: must be an array of messages.")
+    if not value:
+        raise ApiError("messages: at least one message is required.")
+    out: list[dict[str, Any]] = []
+    system_text = _blocks_text(system, "system")
+    if system_text:
+        out.append({"role": "system", "content": system_text})
+    for i, message in enumerate(value):
+        where = f"messages.{i}"
+        if not isinstance(message, dict):
+            raise ApiError(f"{where}: must be an object with 'role' and 'content'.")
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise ApiError(f"{where}.role: must be 'user' or 'assistant', not {json.dumps(role)}.")
+        content = message.get("content")
+        if content is None:
+            raise ApiError(f"{where}.content: field required.")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ApiError(f"{where}.content: must be a string or an array of content blocks.")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, block in enumerate(content):
+            bwhere = f"{where}.content.{j}"
+            if not isinstance(block, dict):
+                raise ApiError(f"{bwhere}: must be an object.")
+            kind = block.get("type")
+            if kind == "text":
+                if not isinstance(block.get("text"), str):
+                    raise ApiError(f"{bwhere}.text: must be a string.")
+                texts.append(block["text"])
+            elif kind == "tool_use" and role == "assistant":
+                name = block.get("name")
+                if not isinstance(name, str) or not name:
+                    raise ApiError(f"{bwhere}.name: must be a non-empty string.")
+                arguments = block.get("input") if block.get("input") is not None else {}
+                if not isinstance(arguments, dict):
+                    raise ApiError(f"{bwhere}.input: must be an object.")
+                calls.append({"id": block.get("id", ""), "type": "function",
+                              "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+            elif kind == "tool_result" and role == "user":
+                text = _blocks_text(block.get("content"), f"{bwhere}.content")
+                if block.get("is_error"):
+                    text = f"Error: {text}"
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id", ""), "content": text})
+            # thinking, redacted_thinking, image, document, server tool blocks: nothing to render
+        if role == "assistant":
+            entry: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+            if calls:
+                entry["tool_calls"] = calls
+            out.append(entry)
+        elif texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def parse_tools(value: Any) -> list[ToolSpec]:
+    """Client tools; Anthropic-defined server tools (typed: bash_..., web_search_...) are dropped."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ApiError("tools: must be an array of tools.")
+    tools = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise ApiError(f"tools.{i}: must be an object.")
+        if tool.get("type") not in (None, "custom"):
+            continue
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(f"tools.{i}.name: must be a non-empty string.")
+        description = tool.get("description") or ""
+        if not isinstance(description, str):
+            raise ApiError(f"tools.{i}.description: must be a string.")
+        tools.append(ToolSpec(name, description, check_schema(tool.get("input_schema"), f"tools.{i}.input_schema")))
+    return tools
+
+
+def messages_plan(body: dict[str, Any], request: Request) -> ChatPlan:
+    tools = parse_tools(body.get("tools"))
+    plan = ChatPlan(messages=parse_messages(body.get("messages"), body.get("system")), tools=tools)
+    choice = body.get("tool_choice")
+    if choice is not None and not isinstance(choice, dict):
+        raise ApiError("tool_choice: must be an object such as {\"type\": \"auto\"}.")
+    plan.tool_choice = parse_tool_choice(choice, tools)
+    plan.parallel_tool_calls = not bool((choice or {}).get("disable_parallel_tool_use", False))
+    plan.max_tokens = get_int(body, "max_tokens", minimum=1)
+    plan.temperature = get_float(body, "temperature", 0.0, 1.0, default=0.0)
+    plan.top_p = get_float(body, "top_p", 0.0, 1.0, default=1.0, open_minimum=True)
+    top_k = get_int(body, "top_k", default=0)
+    plan.top_k = max(0, top_k)
+    plan.min_p = get_float(body, "min_p", 0.0, 1.0, default=0.0)
+    plan.stop = get_stop(body, "stop_sequences")
+    plan.seed = get_seed(body)
+    plan.draft = get_bool(body, "draft", True)
+    plan.audit = get_bool(body, "audit", False)
+    plan.session_id = get_session_id(body, request)
+    plan.stream = get_bool(body, "stream", False)
+    plan.model = get_str(body, "model", "") or ""
+    return plan
+
+
+def _usage(outcome: Outcome) -> dict[str, Any]:
+    return {"input_tokens": outcome.prompt_tokens - outcome.cached_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": outcome.cached_tokens,
+            "output_tokens": outcome.completion_tokens}
+
+
+def _stop_reason(outcome: Outcome) -> str:
+    if outcome.calls:
+        return "tool_use"
+    if outcome.finish == "length":
+        return "max_tokens"
+    if outcome.stop_sequence is not None:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def _tool_block(call: ToolCall) -> dict[str, Any]:
+    call.id = call.id or new_id("toolu_")
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments_obj}
+
+
+async def messages(server, request: Request, body: dict[str, Any]):
+    plan = messages_plan(body, request)
+    prepared = prepare(server.runtime, plan, "messages", request, server.default_max_tokens)
+    model = plan.model or server.runtime.model_id
+    msg_id = new_id("msg_")
+    if not plan.stream:
+        outcome = await collect(server.runtime, prepared, request)
+        content: list[dict[str, Any]] = []
+        if outcome.content or not outcome.calls:
+            content.append({"type": "text", "text": outcome.content})
+        content += [_tool_block(call) for call in outcome.calls]
+        return JSONResponse({
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": _stop_reason(outcome), "stop_sequence": outcome.stop_sequence, "usage": _usage(outcome),
+            "timings": outcome.timings, "agentfold": outcome.agentfold,
+        })
+
+    async def events() -> AsyncIterator[str]:
+        def event(kind: str, **fields: Any) -> str:
+            return sse({"type": kind, **fields}, event=kind)
+
+        yield event("message_start", message={
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": prepared.prompt_tokens, "cache_creation_input_tokens": 0,
+                      "cache_read_input_tokens": 0, "output_tokens": 0}})
+        yield event("ping")
+        index = 0
+        text_open = False
+        try:
+            async for item in drive(server.runtime, prepared, request):
+                if isinstance(item, TextPiece):
+                    if not text_open:
+                        yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                        text_open = True
+                    yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": item.text})
+                elif isinstance(item, ToolCall):
+                    if text_open:
+                        yield event("content_block_stop", index=index)
+                        text_open = False
+                        index += 1
+                    block = _tool_block(item)
+                    yield event("content_block_start", index=index, content_block={**block, "input": {}})
+                    yield event("content_block_delta", index=index,
+                                delta={"type": "input_json_delta", "partial_json": item.arguments})
+                    yield event("content_block_stop", index=index)
+                    index += 1
+                else:
+                    if text_open:
+                        yield event("content_block_stop", index=index)
+                        text_open = False
+                    elif index == 0:  # an empty reply still has one (empty) text block
+                        yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+                        yield event("content_block_stop", index=0)
+                    yield event("message_delta", delta={"stop_reason": _stop_reason(item),
+                                                        "stop_sequence": item.stop_sequence},
+                                usage=_usage(item), timings=item.timings, agentfold=item.agentfold)
+                    yield event("message_stop", timings=item.timings, agentfold=item.agentfold)
+        except Exception as error:
+            if isinstance(error, ApiError):
+                kind, message = ERROR_TYPES.get(error.status, "api_error"), error.message
+            else:
+                log.exception("messages stream failed")
+                kind, message = "api_error", f"generation failed: {error}"
+            yield event("error", error={"type": kind, "message": message})
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def count_tokens(server, request: Request, body: dict[str, Any]) -> JSONResponse:
+    tools = parse_tools(body.get("tools"))
+    chat = parse_messages(body.get("messages"), body.get("system"))
+    try:
+        text = render_chat(server.runtime.tokenizer, chat, tools or None)
+    except Exception as error:
+        raise ApiError(f"The model's chat template cannot render these messages: {error}") from error
+    return JSONResponse({"input_tokens": len(server.runtime.encode(text))})

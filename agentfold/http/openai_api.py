@@ -1,0 +1,372 @@
+"""OpenAI Chat Completions, legacy Completions and the model list.
+
+Streams follow what openai-python, litellm, the AI SDK and Codex's chat parser accept: a first
+chunk with the role, content chunks, tool-call deltas that carry `index` on every element and
+`id` / `type` / `name` only on a call's first, a final chunk with `finish_reason` (and the
+`timings` / `agentfold` telemetry), a usage chunk with `choices: []` only when
+`stream_options.include_usage` asked for it, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from agentfold import __version__
+from agentfold.http.common import (
+    SSE_HEADERS,
+    ApiError,
+    ChatPlan,
+    Outcome,
+    check_schema,
+    collect,
+    drive,
+    get_bool,
+    get_float,
+    get_int,
+    get_seed,
+    get_session_id,
+    get_stop,
+    get_str,
+    new_id,
+    now,
+    parse_tool_choice,
+    prepare,
+    sse,
+)
+from agentfold.serve.scheduler import TextPiece, ToolCall, ToolSpec
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+FINGERPRINT = f"agentfold-{__version__}"
+
+
+def openai_error(error: ApiError) -> JSONResponse:
+    return JSONResponse({"error": {"message": error.message, "type": error.type, "code": error.code,
+                                   "param": error.param}}, status_code=error.status)
+
+
+# ---------------------------------------------------------------------------------------------
+# Request parsing (shared with the Responses API where the shapes agree)
+# ---------------------------------------------------------------------------------------------
+
+def content_text(content: Any, where: str) -> str:
+    """Message content (string, or array of text / image parts) as text; images are dropped."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+                elif part.get("type") in ("text", "input_text", "output_text"):
+                    raise ApiError(f"'{where}[{j}].text' must be a string.", param=where)
+                # image / audio / file parts: this is a text-only model
+            else:
+                raise ApiError(f"'{where}[{j}]' must be an object, not {type(part).__name__}.", param=where)
+        return "\n".join(parts)
+    raise ApiError(f"'{where}' must be a string or an array of content parts.", param=where)
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise ApiError("'messages' must be an array of messages.", param="messages")
+    if not value:
+        raise ApiError("'messages' is empty; send at least one message.", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(f"'{where}' must be an object with 'role' and 'content'.", param=where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise ApiError(f"'{where}.role' must be one of {', '.join(ROLES)}, not {json.dumps(role)}.",
+                           param=f"{where}.role")
+        text = content_text(message.get("content"), f"{where}.content")
+        entry: dict[str, Any] = {"role": "tool" if role == "function" else role, "content": text}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            calls = message["tool_calls"]
+            if not isinstance(calls, list):
+                raise ApiError(f"'{where}.tool_calls' must be an array.", param=f"{where}.tool_calls")
+            entry["tool_calls"] = []
+            for j, call in enumerate(calls):
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise ApiError(f"'{where}.tool_calls[{j}].function.name' must be a string.",
+                                   param=f"{where}.tool_calls")
+                arguments = function.get("arguments", "{}")
+                if not isinstance(arguments, (str, dict)):
+                    raise ApiError(f"'{where}.tool_calls[{j}].function.arguments' must be a JSON string.",
+                                   param=f"{where}.tool_calls")
+                entry["tool_calls"].append({"id": call.get("id", ""), "type": "function",
+                                            "function": {"name": function["name"], "arguments": arguments}})
+        elif role in ("system", "developer", "user") and message.get("content") is None:
+            raise ApiError(f"'{where}.content' is missing; a {role} message needs content.", param=f"{where}.content")
+        if role in ("tool", "function"):
+            entry["tool_call_id"] = message.get("tool_call_id") or message.get("name") or ""
+        out.append(entry)
+    return out
+
+
+def parse_function_tools(value: Any, param: str = "tools", flat: bool = False) -> list[ToolSpec]:
+    """Function tools; other tool types are dropped (clients send what they have, not what we run)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ApiError(f"'{param}' must be an array of tools.", param=param)
+    tools = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise ApiError(f"'{param}[{i}]' must be an object.", param=param)
+        if tool.get("type", "function") != "function":
+            continue
+        function = tool if flat else tool.get("function")
+        if not isinstance(function, dict):
+            raise ApiError(f"'{param}[{i}].function' must be an object with a name.", param=param)
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(f"'{param}[{i}]' needs a non-empty 'name'.", param=param)
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise ApiError(f"'{param}[{i}].description' must be a string.", param=param)
+        tools.append(ToolSpec(name, description, check_schema(function.get("parameters"), f"'{param}[{i}].parameters'")))
+    return tools
+
+
+def parse_response_format(value: Any, param: str = "response_format") -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(f"'{param}' must be an object with type 'text', 'json_object' or 'json_schema'.", param=param)
+    if value["type"] == "json_schema":
+        inner = value.get("json_schema") or value
+        if not isinstance(inner, dict):
+            raise ApiError(f"'{param}.json_schema' must be an object holding a 'schema'.", param=param)
+        if inner.get("schema") is not None and not isinstance(inner["schema"], dict):
+            raise ApiError(f"'{param}' schema must be a JSON schema object.", param=param)
+    return None if value["type"] == "text" else value
+
+
+def common_fields(plan: ChatPlan, body: dict[str, Any], request: Request) -> ChatPlan:
+    """The sampling and AgentFold fields every OpenAI-shaped endpoint accepts."""
+    plan.temperature = get_float(body, "temperature", 0.0, 2.0, default=0.0)
+    plan.top_p = get_float(body, "top_p", 0.0, 1.0, default=1.0, open_minimum=True)
+    top_k = get_int(body, "top_k", default=0)
+    plan.top_k = 0 if top_k < 0 else top_k  # llama.cpp: <= 0 means off
+    plan.min_p = get_float(body, "min_p", 0.0, 1.0, default=0.0)
+    plan.seed = get_seed(body)
+    plan.draft = get_bool(body, "draft", True)
+    plan.audit = get_bool(body, "audit", False)
+    plan.session_id = get_session_id(body, request)
+    plan.stream = get_bool(body, "stream", False)
+    plan.model = get_str(body, "model", "") or ""
+    n = get_int(body, "n", default=1)
+    if n != 1:
+        raise ApiError(f"'n' must be 1 here (one choice per request), not {n}.", param="n")
+    return plan
+
+
+def max_tokens_field(body: dict[str, Any], *keys: str) -> tuple[int | None, str]:
+    """The first of `keys` present and its name (aliases: n_predict > max_completion_tokens > max_tokens)."""
+    for key in keys:
+        if body.get(key) is not None:
+            value = get_int(body, key)
+            if key == "n_predict" and value is not None and value < 0:
+                return None, key  # llama.cpp: -1 = until the context is full
+            if value is not None and value < 1:
+                raise ApiError(f"'{key}' must be >= 1, not {value}.", param=key)
+            return value, key
+    return None, keys[-1]
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError("'stream_options' must be an object.", param="stream_options")
+    return bool(options.get("include_usage"))
+
+
+def usage_block(outcome: Outcome) -> dict[str, Any]:
+    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": 0}}
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/chat/completions
+# ---------------------------------------------------------------------------------------------
+
+def chat_plan(body: dict[str, Any], request: Request) -> ChatPlan:
+    tools = parse_function_tools(body.get("tools"))
+    plan = ChatPlan(messages=parse_messages(body.get("messages")), tools=tools)
+    common_fields(plan, body, request)
+    plan.tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    plan.parallel_tool_calls = get_bool(body, "parallel_tool_calls", True)
+    plan.response_format = parse_response_format(body.get("response_format"))
+    plan.max_tokens, plan.max_tokens_param = max_tokens_field(body, "n_predict", "max_completion_tokens", "max_tokens")
+    plan.stop = get_stop(body, "stop")
+    return plan
+
+
+async def chat_completions(server, request: Request, body: dict[str, Any]):
+    plan = chat_plan(body, request)
+    usage_wanted = include_usage(body)
+    prepared = prepare(server.runtime, plan, "chat", request, server.default_max_tokens)
+    model = plan.model or server.runtime.model_id
+    chat_id, created = new_id("chatcmpl-"), now()
+    if not plan.stream:
+        outcome = await collect(server.runtime, prepared, request)
+        calls = [_call_json(call) for call in outcome.calls]
+        message: dict[str, Any] = {"role": "assistant", "content": (outcome.content or None) if calls else outcome.content}
+        if calls:
+            message["tool_calls"] = calls
+        return JSONResponse({
+            "id": chat_id, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": outcome.finish}],
+            "usage": usage_block(outcome), "timings": outcome.timings, "agentfold": outcome.agentfold,
+        })
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        return sse({"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "system_fingerprint": FINGERPRINT,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
+
+    async def events() -> AsyncIterator[str]:
+        yield chunk({"role": "assistant", "content": ""})
+        index = 0
+        try:
+            async for item in drive(server.runtime, prepared, request):
+                if isinstance(item, TextPiece):
+                    yield chunk({"content": item.text})
+                elif isinstance(item, ToolCall):
+                    item.id = item.id or new_id("call_")
+                    yield chunk({"tool_calls": [{"index": index, "id": item.id, "type": "function",
+                                                 "function": {"name": item.name, "arguments": ""}}]})
+                    yield chunk({"tool_calls": [{"index": index, "function": {"arguments": item.arguments}}]})
+                    index += 1
+                else:
+                    yield chunk({}, item.finish, timings=item.timings, agentfold=item.agentfold)
+                    if usage_wanted:
+                        yield sse({"id": chat_id, "object": "chat.completion.chunk", "created": created,
+                                   "model": model, "system_fingerprint": FINGERPRINT, "choices": [],
+                                   "usage": usage_block(item), "timings": item.timings, "agentfold": item.agentfold})
+        except ApiError as error:
+            yield sse({"error": {"message": error.message, "type": error.type, "code": error.code, "param": error.param}})
+        except Exception as error:  # mid-stream: the status is already sent, so say it in the stream
+            log.exception("chat stream failed")
+            yield sse({"error": {"message": f"generation failed: {error}", "type": "server_error", "code": None,
+                                 "param": None}})
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    call.id = call.id or new_id("call_")
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/completions
+# ---------------------------------------------------------------------------------------------
+
+def _raw_prompt(value: Any) -> str | list[int]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        return _raw_prompt(value[0])
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    if isinstance(value, list) and len(value) > 1:
+        raise ApiError("'prompt' may hold one prompt per request here, not a batch.", param="prompt")
+    raise ApiError("'prompt' must be a string (or an array of token ids).", param="prompt")
+
+
+async def completions(server, request: Request, body: dict[str, Any]):
+    if "prompt" not in body:
+        raise ApiError("'prompt' is required.", param="prompt")
+    plan = ChatPlan(messages=[], raw_prompt=_raw_prompt(body.get("prompt")))
+    common_fields(plan, body, request)
+    plan.max_tokens, plan.max_tokens_param = max_tokens_field(body, "n_predict", "max_tokens")
+    if plan.max_tokens is None and body.get("n_predict") is None:
+        plan.max_tokens = 16  # the OpenAI default for this endpoint
+    plan.stop = get_stop(body, "stop")
+    usage_wanted = include_usage(body)
+    if isinstance(plan.raw_prompt, list):
+        vocab = server.runtime.engine.backend.vocab_size
+        if vocab and any(t < 0 or t >= vocab for t in plan.raw_prompt):
+            raise ApiError(f"'prompt' holds token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
+    prepared = prepare(server.runtime, plan, "completions", request, server.default_max_tokens)
+    model = plan.model or server.runtime.model_id
+    cmpl_id, created = new_id("cmpl-"), now()
+    if not plan.stream:
+        outcome = await collect(server.runtime, prepared, request)
+        return JSONResponse({
+            "id": cmpl_id, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [{"index": 0, "text": outcome.content, "logprobs": None, "finish_reason": outcome.finish}],
+            "usage": usage_block(outcome), "timings": outcome.timings, "agentfold": outcome.agentfold,
+        })
+
+    def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
+        return sse({"id": cmpl_id, "object": "text_completion", "created": created, "model": model,
+                    "system_fingerprint": FINGERPRINT,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra})
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for item in drive(server.runtime, prepared, request):
+                if isinstance(item, TextPiece):
+                    yield chunk(item.text)
+                elif isinstance(item, Outcome):
+                    yield chunk("", item.finish, timings=item.timings, agentfold=item.agentfold)
+                    if usage_wanted:
+                        yield sse({"id": cmpl_id, "object": "text_completion", "created": created, "model": model,
+                                   "choices": [], "usage": usage_block(item)})
+        except Exception as error:
+            log.exception("completion stream failed")
+            yield sse({"error": {"message": f"generation failed: {error}", "type": "server_error", "code": None,
+                                 "param": None}})
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/models
+# ---------------------------------------------------------------------------------------------
+
+def models(server) -> dict[str, Any]:
+    """OpenAI's list (`data`), Anthropic's fields on the same entries, and Codex's `models` cards."""
+    runtime = server.runtime
+    created = int(runtime.started_at)
+    iso = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    data = [{"id": name, "object": "model", "type": "model", "created": created, "created_at": iso,
+             "owned_by": "agentfold", "display_name": runtime.model_id, "context_length": runtime.context_length,
+             "aliases": [n for n in runtime.model_names if n != name]} for name in runtime.model_names]
+    cards = [{"slug": name, "display_name": name, "description": f"{runtime.model_id} served by AgentFold",
+              "context_window": runtime.context_length, "max_context_window": runtime.context_length,
+              "default_reasoning_level": None, "supported_reasoning_levels": [], "shell_type": "shell_command",
+              "visibility": "list", "supported_in_api": True, "priority": 0, "upgrade": None,
+              "base_instructions": None, "supports_reasoning_summaries": False, "support_verbosity": False,
+              "default_verbosity": None, "apply_patch_tool_type": None, "input_modalities": ["text"],
+              "supports_parallel_tool_calls": True} for name in runtime.model_names]
+    return {"object": "list", "data": data, "models": cards, "has_more": False,
+            "first_id": data[0]["id"], "last_id": data[-1]["id"]}

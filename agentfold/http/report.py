@@ -1,0 +1,61 @@
+"""The telemetry blocks a response carries: llama.cpp-style `timings` and the `agentfold` block.
+
+Both come from one `TurnRecord` (agentfold.serve.telemetry), so the response, the SQLite row and
+`/metrics` show the same figures. If an `after_turn` hook already built the turn's record it is
+put in `turn.record` and used as is; otherwise one is built here from the engine's
+`DecodeStats` and the runtime's clocks. This is the one function to swap when telemetry changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentfold.serve.scheduler import Runtime, Turn
+from agentfold.serve.telemetry import TurnRecord, timings
+
+
+def turn_record(turn: Turn, runtime: Runtime) -> TurnRecord:
+    """The turn's TurnRecord: the hook's if it made one, else built from the completion."""
+    record = turn.record
+    if isinstance(record, TurnRecord):
+        return record
+    assert turn.completion is not None
+    request = turn.request
+    record = TurnRecord.from_completion(
+        turn.completion, session_id=request.session_id, api=request.api, client=request.client,
+        model=runtime.model_id, queue_seconds=turn.queue_seconds, turn_id=turn.id,
+        started_at=turn.submitted_wall, tool_calls=turn.tool_calls,
+    )
+    record.finish_reason = turn.finish_reason or record.finish_reason
+    record.audit = turn.audit
+    record.mismatch_position = turn.mismatch_position
+    return record
+
+
+def turn_blocks(turn: Turn, runtime: Runtime) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(`timings`, `agentfold`) for the last chunk / body of a response."""
+    record = turn_record(turn, runtime)
+    block = {
+        "turn_id": record.turn_id,
+        "session_id": record.session_id,
+        "token_sha": record.token_sha,
+        "prompt_tokens": record.prompt_tokens,
+        "cached_tokens": record.cached_tokens,
+        "completion_tokens": record.completion_tokens,
+        "queue_ms": round(record.queue_ms, 3),
+        "prefill_ms": round(record.prefill_ms, 3),
+        "ttft_ms": round(record.ttft_ms, 3),
+        "decode_ms": round(record.decode_ms, 3),
+        "total_ms": round(record.total_ms, 3),
+        "decode_tps": round(record.decode_tps, 3),
+        "draft_method": record.draft_method,
+        "verify_passes": record.verify_passes,
+        "drafted": record.drafted,
+        "accepted": record.accepted,
+        "tokens_per_pass": round(record.tokens_per_pass, 3),
+        "acceptance_rate": round(record.acceptance_rate, 4),
+        "exactness": runtime.engine.exactness.describe(),
+        "audit": turn.audit,
+        "mismatch_position": turn.mismatch_position,
+    }
+    return timings(record), block

@@ -1,0 +1,1 @@
+"""The MCP server (streamable HTTP and stdio): generate, sessions, audits as tools."""

@@ -1,0 +1,1 @@
+"""The serving core: scheduler, service, telemetry, audit, model resolution; no HTTP, no MCP."""

@@ -1,0 +1,1 @@
+"""Mixture-of-experts: expert offload, placement, routing profiles, exact int8 experts."""

@@ -1,0 +1,1 @@
+"""The PyTorch backend (CPU and CUDA): loader, models, row-exact forward."""

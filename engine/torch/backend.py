@@ -1,0 +1,183 @@
+"""The PyTorch backend: the MLX backend's interface over the torch models in `torch.models`.
+
+The decode loop, drafters, sampler, self-check and depth controller only see `new_cache`,
+`forward`, `prefill`, `checkpoint` / `rollback` / `truncate`, so they run unchanged. The cache is
+static and indexed by position (`torch.models.cache`): a pass writes its rows at the cache's
+length, and a rollback only lowers that length (the token list), which makes it free and exact.
+Row-exactness comes from the kernels `torch.models.ops` dispatches to for the weights' device.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from agentfold.engine.cache_layout import CacheLayoutError, array_name, bits_dtype, mark_bits, tokens_array, tokens_of
+from agentfold.engine.mlx.loader import LoadedModel
+from agentfold.engine.protocol import CacheState, Checkpoint
+from agentfold.engine.torch.models import ops, quantize
+from agentfold.kernels import torch_cpu
+
+
+class TorchBackend:
+    """Runs a `torch.models` model on CPU or CUDA under inference mode."""
+
+    name = "torch"
+    has_recurrent_state = False
+
+    def __init__(self, loaded: LoadedModel, quant: str = "auto") -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = next(self.model.parameters()).device
+        self.vocab_size = int(self.model.args.vocab_size)
+        self.quant = resolve_quant(quant, self.device, self.model)
+        if self.quant == "int8":
+            quantize.int8_weights(self.model)
+        elif self.device.type == "cpu":
+            self._calibrate_cpu_matmuls()
+
+    def _calibrate_cpu_matmuls(self) -> None:
+        """Find each weight shape's row-exact GEMM height now, not inside the first timed passes."""
+        from agentfold.engine.torch.models.llama import Linear
+        from agentfold.engine.torch.models.qwen3_moe import moe_blocks
+        from agentfold.kernels import torch_cpu
+
+        weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
+        if self.model.lm_head is None:
+            weights.append(self.model.model.embed_tokens.weight)
+        for block in moe_blocks(self.model):
+            if block.weights.gate_proj.numel():  # (offloaded models may hold no float experts)
+                weights += [block.weights.gate_proj[0], block.weights.down_proj[0]]
+        with torch.inference_mode():
+            for weight in weights:
+                torch_cpu.block_rows(weight)
+
+    def new_cache(self) -> CacheState:
+        return CacheState(self.model.make_cache())
+
+    def _run(self, tokens: Sequence[int], cache: CacheState, logits: bool) -> torch.Tensor | None:
+        with torch.inference_mode():
+            ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
+            out = self.model(ids, cache.layers, cache.length, logits=logits)
+        cache.tokens.extend(int(t) for t in tokens)
+        return out
+
+    def forward(self, tokens: Sequence[int], cache: CacheState) -> np.ndarray:
+        """Logits (float32, [rows, vocab]) of a pass that appends `tokens` to `cache`."""
+        return self._run(tokens, cache, logits=True).float().cpu().numpy()
+
+    def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
+        """Append `tokens` in chunks cut at absolute `boundaries`; logits are never computed."""
+        start = cache.length
+        end = start + len(tokens)
+        offset = start
+        for cut in sorted({b for b in boundaries if start < b < end} | {end}):
+            if cut > offset:
+                with torch_cpu.prefill_chunk():  # logits unread: batched kernels at any width
+                    self._run(tokens[offset - start : cut - start], cache, logits=False)
+            offset = cut
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def checkpoint(self, cache: CacheState) -> Checkpoint:
+        return Checkpoint(cache.length, {})
+
+    def rollback(self, cache: CacheState, checkpoint: Checkpoint, keep: int) -> None:
+        """Keep the first `keep` tokens appended since `checkpoint`: rows past them are just unread."""
+        del cache.tokens[checkpoint.length + keep :]
+
+    def truncate(self, cache: CacheState, length: int) -> None:
+        del cache.tokens[length:]
+
+    # --- snapshots (sessions.snapshots; engine.cache_layout) ---
+
+    def cache_to_arrays(self, cache: CacheState) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+        """The cache's valid rows as numpy arrays (bfloat16 as uint16 bits, see `cache_layout`), and their layout."""
+        arrays: dict[str, np.ndarray] = {"tokens": tokens_array(cache.tokens)}
+        layout: list[dict[str, Any]] = []
+        n = cache.length
+        for i, layer in enumerate(cache.layers):
+            spec: dict[str, Any] = {"kind": "kv", "offset": n}
+            for part, tensor in zip(("keys", "values"), layer.read(n), strict=True):
+                arrays[array_name(i, part)] = _to_numpy(tensor, spec, part)
+            layout.append(spec)
+        return arrays, layout
+
+    def arrays_to_cache(self, arrays: Mapping[str, np.ndarray], layout: list[dict[str, Any]]) -> CacheState:
+        """A new cache holding `arrays` (copied: the store's hot copy is never written to). Raises
+        CacheLayoutError when they do not fit this model's cache."""
+        cache = self.new_cache()
+        if len(cache.layers) != len(layout):
+            raise CacheLayoutError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
+        tokens = tokens_of(arrays)
+        n = len(tokens)
+        for i, (layer, spec) in enumerate(zip(cache.layers, layout, strict=True)):
+            if spec.get("kind") != "kv" or spec.get("offset") != n:
+                raise CacheLayoutError(f"layer {i}: snapshot holds {spec}, the model a {n}-token KV cache")
+            if n:
+                keys, values = (_from_numpy(arrays, i, spec, part, layer.keys) for part in ("keys", "values"))
+                expected = [layer.keys.shape[0], n, layer.keys.shape[2]]
+                if list(keys.shape) != expected or values.shape != keys.shape:
+                    raise CacheLayoutError(f"layer {i}: snapshot keys are {list(keys.shape)}, values "
+                                           f"{list(values.shape)}; this model's are {expected}")
+                layer.write(0, keys, values)
+        cache.tokens = tokens
+        return cache
+
+    def describe(self) -> dict[str, Any]:
+        """Kernel identity and library versions: what, besides the weights, decides the bytes."""
+        offload = getattr(self.model, "expert_offload", None)  # offloaded experts use other arithmetic
+        kernels = ops.describe(self.device)
+        if self.quant == "int8":
+            from agentfold.kernels import int8_linear
+
+            kernels.update(int8_linear.describe())
+        return {"backend": self.name, "device": str(self.device), **kernels,
+                "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+                **(offload.describe() if offload is not None else {})}
+
+
+def resolve_quant(quant: str, device: torch.device, model: torch.nn.Module) -> str:
+    """`auto`: int8 weights on CPU (row-exact by integer arithmetic, 4x fewer bytes), float on CUDA
+    (the batch-invariant Triton kernels). A model already quantized stays int8."""
+    if quant not in ("auto", *quantize.MODES):
+        raise ValueError(f"quant must be auto, {', '.join(quantize.MODES)}, not {quant!r}")
+    if getattr(model, "quantized", None) == "int8":
+        if quant == "none":
+            raise ValueError("this model's weights were already quantized to int8 (load it again for float)")
+        return "int8"
+    if quant == "auto":
+        return "int8" if device.type == "cpu" else "none"
+    if quant == "int8" and device.type != "cpu":
+        raise ValueError("int8 weights run on the CPU; on CUDA the torch backend uses float weights")
+    return quant
+
+
+def _to_numpy(tensor: torch.Tensor, spec: dict[str, Any], part: str) -> np.ndarray:
+    """A copy of `tensor` as a numpy array; bfloat16 as its uint16 bits, noted in the layer's `spec`."""
+    tensor = tensor.detach().to("cpu", copy=True).contiguous()
+    if tensor.dtype == torch.bfloat16:
+        mark_bits(spec, part, "bfloat16")
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
+
+
+def _from_numpy(arrays: Mapping[str, np.ndarray], layer: int, spec: dict[str, Any], part: str,
+                like: torch.Tensor) -> torch.Tensor:
+    """A snapshot array back as a torch tensor with `like`'s dtype, on its device."""
+    array = arrays.get(array_name(layer, part))
+    if array is None:
+        raise CacheLayoutError(f"layer {layer}: the snapshot has no {array_name(layer, part)!r} array")
+    if not array.flags.writeable:  # torch cannot wrap a read-only buffer
+        array = array.copy()
+    if bits_dtype(spec, part, array) == "bfloat16":
+        tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(array)
+    if tensor.dtype != like.dtype:
+        raise CacheLayoutError(f"layer {layer}: snapshot holds {tensor.dtype}, the cache {like.dtype}")
+    return tensor.to(like.device)

@@ -1,0 +1,201 @@
+"""Load a local checkpoint into a torch model: a Hugging Face safetensors folder or a GGUF file.
+
+GGUF files go through `engine.gguf` (llama.cpp's names, permutations and tokenizer undone, weights
+dequantized to float32) and then numpy into torch. Folders need config.json, *.safetensors and a
+tokenizer. Routed experts are stacked per layer into `ExpertWeights`. On CPU every linear weight
+is stored transposed ([in, out] in memory, still an [out, in] tensor): that is the layout in which
+the CPU GEMM is fastest for the few rows of a decode or verify pass.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from agentfold.engine.mlx.loader import LoadedModel, ModelLoadError
+from agentfold.engine.torch import models as torch_models
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is CUDA when a GPU is visible, else CPU; asking for CUDA without one is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError("--device cuda: no CUDA GPU is visible to torch")
+        return torch.device("cuda")
+    raise ModelLoadError(f"device must be auto, cpu or cuda, not {device!r}")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """`auto` (or MLX's `keep`) is float32 on CPU, bfloat16 on CUDA."""
+    if dtype in ("auto", "keep"):
+        return "bfloat16" if device.type == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of auto, {', '.join(DTYPES)}, not {dtype!r}")
+    return dtype
+
+
+def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
+    from agentfold.engine.mlx.gguf import GGUFError, load_gguf
+
+    try:
+        gguf = load_gguf(path, "float32")
+    except GGUFError as error:
+        raise ModelLoadError(f"{path}: {error}") from error
+    weights = {name: torch.from_numpy(np.array(value, copy=True)) for name, value in gguf.weights.items()}
+    return gguf.config, weights, gguf.tokenizer
+
+
+def _read_folder(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{path}: config.json is unreadable ({error})") from error
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: config.json is not a JSON object")
+    if config.get("model_type") not in torch_models.MODEL_TYPES:
+        raise ModelLoadError(f"{path}: model_type {config.get('model_type')!r} is not supported by the torch backend "
+                             f"(supported: {', '.join(torch_models.MODEL_TYPES)})")
+    if config.get("quantization") or config.get("quantization_config"):
+        raise ModelLoadError(f"{path}: quantized checkpoints are not supported by the torch backend")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weight files in this folder")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            weights.update(load_file(str(file)))
+        except (SafetensorError, OSError) as error:
+            raise ModelLoadError(f"{file}: unreadable safetensors file ({error})") from error
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as error:  # noqa: BLE001  (transformers raises many kinds)
+        raise ModelLoadError(f"{path}: no usable tokenizer in this folder ({type(error).__name__})") from error
+    return config, weights, tokenizer
+
+
+def _take_experts(weights: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    """Move routed-expert tensors out of `weights` into each MoE block's `ExpertWeights`."""
+    from agentfold.engine.torch.models.qwen3_moe import ExpertWeights, moe_blocks
+
+    blocks = {block.layer_index: block for block in moe_blocks(model)}
+    parts: dict[int, dict[str, dict[int, torch.Tensor]]] = {i: {} for i in blocks}
+    stacked: dict[int, dict[str, torch.Tensor]] = {i: {} for i in blocks}
+    for name in list(weights):
+        per_expert, whole = _EXPERT.fullmatch(name), _STACKED.fullmatch(name)
+        if per_expert and int(per_expert.group(1)) in blocks:
+            layer, expert, proj = int(per_expert.group(1)), int(per_expert.group(2)), per_expert.group(3)
+            parts[layer].setdefault(proj, {})[expert] = weights.pop(name)
+        elif whole and int(whole.group(1)) in blocks:
+            stacked[int(whole.group(1))][whole.group(2)] = weights.pop(name)
+    for layer, block in blocks.items():
+        count = block.weights.num_experts
+        tensors = dict(stacked[layer])
+        for proj, experts in parts[layer].items():
+            if sorted(experts) != list(range(count)):
+                raise ModelLoadError(f"layer {layer}: {proj} has experts {sorted(experts)[:4]}..., expected {count}")
+            tensors[proj] = torch.stack([experts[e] for e in range(count)])
+        missing = {"gate_proj", "up_proj", "down_proj"} - set(tensors)
+        if missing:
+            raise ModelLoadError(f"layer {layer}: no expert weights for {', '.join(sorted(missing))}")
+        expected = {"gate_proj": block.weights.gate_proj.shape, "up_proj": block.weights.up_proj.shape,
+                    "down_proj": block.weights.down_proj.shape}
+        for proj, shape in expected.items():
+            if tensors[proj].shape != shape:
+                raise ModelLoadError(f"layer {layer}: {proj} experts are {list(tensors[proj].shape)}, "
+                                     f"the config says {list(shape)}")
+        block.set_weights(ExpertWeights(tensors["gate_proj"], tensors["up_proj"], tensors["down_proj"]))
+
+
+def place(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Cast and move parameters and expert weights; on CPU store linear weights transposed."""
+    from agentfold.engine.torch.models.llama import Linear
+    from agentfold.engine.torch.models.qwen3_moe import ExpertWeights, moe_blocks
+
+    transposed = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    if getattr(model, "lm_head", None) is None:
+        transposed.add(id(model.model.embed_tokens.weight))  # tied: it is the output head too
+    for param in model.parameters():
+        data = param.data.to(device=device, dtype=dtype)
+        if device.type == "cpu" and id(param) in transposed:
+            data = data.t().contiguous().t()
+        param.data = data
+    for module in model.modules():  # buffers (RoPE tables) move but keep their float32
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.to(device))
+    for block in moe_blocks(model):
+        w = block.weights
+        block.set_weights(ExpertWeights(*(p.to(device=device, dtype=dtype).contiguous()
+                                          for p in (w.gate_proj, w.up_proj, w.down_proj))))
+
+
+def build_model(config: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> torch.nn.Module:
+    """The torch model of `config` holding `weights` (Hugging Face names), on `device`."""
+    try:
+        model = torch_models.build(config)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ModelLoadError(f"config.json: {error}") from error
+    weights = dict(weights)
+    _take_experts(weights, model)
+    if getattr(model, "lm_head", None) is None:
+        weights.pop("lm_head.weight", None)  # tied: some checkpoints still carry a copy
+    expected = dict(model.named_parameters())
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise ModelLoadError(f"the weights do not match the {config['model_type']} config: {what}")
+    for name, param in expected.items():
+        if weights[name].shape != param.shape:
+            raise ModelLoadError(f"{name}: weight is {list(weights[name].shape)}, the config says {list(param.shape)}")
+        param.data = weights[name]
+    place(model, dtype, device)
+    model.eval()
+    return model
+
+
+def load_torch_model(path: str | Path, dtype: str = "auto", device: str = "auto",
+                     progress: Callable[[str], None] | None = None) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face folder for the torch backend (dtype `auto`: see resolve_dtype)."""
+    path = Path(path).expanduser()
+    say = progress or (lambda message: None)
+    target = resolve_device(device)
+    dtype = resolve_dtype(dtype, target)
+    started = time.perf_counter()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a folder with config.json)")
+        say(f"reading GGUF {path.name}")
+        config, weights, tokenizer = _read_gguf(path)
+    elif path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path}: no config.json in this folder")
+        say(f"loading {path.name}")
+        config, weights, tokenizer = _read_folder(path)
+    else:
+        raise ModelLoadError(f"{path}: no such model file or folder (models are never downloaded)")
+    model = build_model(config, weights, DTYPES[dtype], target)
+    loaded = LoadedModel(model, tokenizer, config, path, dtype)  # type: ignore[arg-type]
+    loaded.load_seconds = time.perf_counter() - started
+    say(f"loaded {loaded.name} ({dtype}, torch on {target.type}) in {loaded.load_seconds:.1f}s")
+    return loaded

@@ -1,0 +1,23 @@
+"""PyTorch model implementations for the torch backend, one file per family."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+
+
+def build(config: dict[str, Any]) -> nn.Module:
+    """An uninitialized model for a Hugging Face config dict (ValueError if unsupported)."""
+    model_type = config.get("model_type")
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        from agentfold.engine.torch.models import qwen3_moe
+        return qwen3_moe.build(config)
+    if model_type in ("llama", "qwen2", "qwen3"):
+        from agentfold.engine.torch.models.llama import ModelArgs, Transformer
+
+        return Transformer(ModelArgs.from_config(config))
+    raise ValueError(f"model_type {model_type!r} is not supported by the torch backend "
+                     f"(supported: {', '.join(MODEL_TYPES)})")

@@ -1,0 +1,269 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3 dense), in the spirit of gpt-fast.
+
+One sequence, no batch axis: a pass takes token ids [m] at positions start..start+m, writes their
+keys / values into a static per-layer cache and returns logits [m, vocab]. Every matmul, norm and
+attention goes through `ops`, which routes it to a row-exact kernel for the tensor's device; the
+rest (RoPE, SiLU, residual adds) is elementwise. Parameter names match Hugging Face checkpoints,
+so a safetensors state dict loads as is.
+
+Family differences are flags: Qwen2 has q/k/v biases, Qwen3 RMS-normalizes q and k per head,
+SmolLM2 ties the output head to the embedding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentfold.engine.torch.models import ops
+from agentfold.engine.torch.models.cache import LayerCache
+from agentfold.kernels.int8_linear import Int8Weight
+
+
+@dataclass
+class ModelArgs:
+    """The numbers a decoder is built from, read from a Hugging Face config.json dict."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        model_type = config["model_type"]
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        bias = bool(config.get("attention_bias", False))
+        scaling = config.get("rope_scaling") or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", None):
+            raise ValueError(f"rope_scaling type {kind!r} is not supported by the torch backend")
+        return cls(
+            model_type=model_type,
+            hidden_size=hidden,
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            intermediate_size=int(config.get("intermediate_size", 0)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bias or model_type in ("qwen2", "qwen2_moe"),
+            o_bias=bias and model_type not in ("qwen2", "qwen2_moe"),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        )
+
+
+class Linear(nn.Module):
+    """weight [out, in] (+ bias), applied through the row-exact `ops.linear`."""
+
+    def __init__(self, inputs: int, outputs: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(outputs, inputs), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(outputs), requires_grad=False) if bias else None
+        self.int8: Int8Weight | None = None  # set by `quantize.int8_weights`: the weight ops.linear uses
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.int8 if self.int8 is not None else self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token id -> row of weight [vocab, hidden] (a gather: exact for any number of rows)."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden), requires_grad=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class Rope(nn.Module):
+    """Rotary embedding (Hugging Face's half-split layout) from a cos / sin table by position.
+
+    The table is computed in float64 in blocks of a fixed number of positions, each block by the
+    same call, so a position's entry has the same bits however long the table has grown.
+    """
+
+    BLOCK = 1024
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("cos", torch.empty(0, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(0, head_dim), persistent=False)
+
+    def _grow(self, length: int) -> None:
+        blocks, sines = [self.cos.float()], [self.sin.float()]
+        for begin in range(self.cos.shape[0], length, self.BLOCK):
+            positions = torch.arange(begin, begin + self.BLOCK, dtype=torch.float64)
+            angles = torch.outer(positions, self.inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)
+            blocks.append(angles.cos().to(torch.float32).to(self.cos.device))
+            sines.append(angles.sin().to(torch.float32).to(self.sin.device))
+        self.cos, self.sin = torch.cat(blocks), torch.cat(sines)
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate x [m, heads, head_dim] for positions start..start+m (float32 math)."""
+        end = start + x.shape[0]
+        if end > self.cos.shape[0]:
+            self._grow(end)
+        cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = 1.0 / math.sqrt(args.head_dim)
+        hidden, q_size, kv_size = args.hidden_size, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.q_proj = Linear(hidden, q_size, args.qkv_bias)
+        self.k_proj = Linear(hidden, kv_size, args.qkv_bias)
+        self.v_proj = Linear(hidden, kv_size, args.qkv_bias)
+        self.o_proj = Linear(q_size, hidden, args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.qkv: Fused | None = None  # q, k, v in one GEMM (int8 weights: one quantization of x)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache, start: int, positions: torch.Tensor,
+                rope: Rope) -> torch.Tensor:
+        """x [m, hidden] at positions start..start+m (`positions`: the same, as a device tensor)."""
+        m, d = x.shape[0], self.head_dim
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(m, self.heads, d), k.view(m, self.kv_heads, d), v.view(m, self.kv_heads, d)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, d)).view(m, self.heads, d)
+            k = self.k_norm(k.reshape(-1, d)).view(m, self.kv_heads, d)
+        q, k = rope(q, start), rope(k, start)
+        cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
+        keys, values = cache.read(start + m)
+        out = ops.attention(q.transpose(0, 1).contiguous(), keys, values, positions, self.scale)
+        return self.o_proj(out.transpose(0, 1).reshape(m, self.heads * d))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, bias)
+        self.up_proj = Linear(hidden, intermediate, bias)
+        self.down_proj = Linear(intermediate, hidden, bias)
+        self.gate_up: Fused | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(ops.silu(gate) * up)
+
+
+class Fused(nn.Module):
+    """Linears that read the same input, as one GEMM whose output columns are split afterwards."""
+
+    def __init__(self, linears: list[Linear], weight: Int8Weight | torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+        self.sizes = [linear.weight.shape[0] if linear.int8 is None else linear.int8.shape[0] for linear in linears]
+        biases = [linear.bias for linear in linears]
+        if all(b is None for b in biases):
+            self.bias = None
+        else:
+            self.bias = torch.cat([b if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes,
+                                                                                        strict=True)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(ops.linear(x, self.weight, self.bias), self.sizes, dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, cache: LayerCache, start: int, positions: torch.Tensor,
+                rope: Rope) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cache, start, positions, rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """Hugging Face's `model.*`: embedding, decoder layers, final norm."""
+
+    def __init__(self, args: ModelArgs, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """A decoder-only model over one sequence with a static KV cache."""
+
+    def __init__(self, args: ModelArgs, layers: list[DecoderLayer] | None = None) -> None:
+        super().__init__()
+        self.args = args
+        if layers is None:
+            layers = [DecoderLayer(args, MLP(args.hidden_size, args.intermediate_size, args.mlp_bias))
+                      for _ in range(args.num_hidden_layers)]
+        self.model = Backbone(args, layers)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
+        self.rope = Rope(args.head_dim, args.rope_theta)
+        self.head_int8: Int8Weight | None = None  # the output head as int8 (tied heads too)
+
+    def make_cache(self) -> list[LayerCache]:
+        weight = self.model.embed_tokens.weight
+        return [LayerCache(self.args.num_key_value_heads, self.args.head_dim, weight.dtype, weight.device)
+                for _ in self.model.layers]
+
+    def forward(self, tokens: torch.Tensor, cache: list[LayerCache], start: int,
+                logits: bool = True) -> torch.Tensor | None:
+        """Logits [m, vocab] (float32) of tokens [m] at positions start..start+m; None if not `logits`."""
+        h = self.model.embed_tokens(tokens)
+        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
+        for layer, layer_cache in zip(self.model.layers, cache, strict=True):
+            h = layer(h, layer_cache, start, positions, self.rope)
+        if not logits:
+            return None
+        head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        if self.head_int8 is not None:
+            head = self.head_int8
+        return ops.linear(self.model.norm(h), head).float()
