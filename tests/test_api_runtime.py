@@ -9,19 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from agentfold.chat.template import render_chat
+from agentfold.chat.tool_calls import TextPiece, ToolCallParser, parse_output
+from agentfold.chat.tools import ToolCall, ToolSpec
 from agentfold.engine.decode import Engine, GenerationConfig
 from agentfold.engine.sampler import SamplingParams
-from agentfold.serve.scheduler import (
-    Runtime,
-    TextPiece,
-    ToolCall,
-    ToolCallParser,
-    ToolSpec,
-    TurnCancelled,
-    TurnRequest,
-    parse_output,
-    render_chat,
-)
+from agentfold.serve.scheduler import Runtime, TurnCancelled, TurnRequest
 from tests.conftest import chat_ids
 
 WEATHER = ToolSpec("get_weather", "Get the current weather for a city.",

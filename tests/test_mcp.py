@@ -18,13 +18,14 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
+from agentfold.chat.template import render_chat
 from agentfold.engine.decode import GenerationConfig
 from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import NoiseDrafter
 from agentfold.engine.sampler import SamplingParams
 from agentfold.http.app import create_app
 from agentfold.mcp.server import HIDDEN_TURN_FIELDS, build_mcp, mount_mcp
-from agentfold.serve.scheduler import Runtime, render_chat
+from agentfold.serve.scheduler import Runtime
 from agentfold.serve.service import Service
 from tests.api_helpers import MODEL_ID, ServerThread
 

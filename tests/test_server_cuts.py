@@ -4,7 +4,7 @@ renders only its new prefix (agentfold.chat.cuts)."""
 from __future__ import annotations
 
 from agentfold.chat.cuts import PrefixMemo, message_cuts, tools_salt
-from agentfold.serve.scheduler import render_chat
+from agentfold.chat.template import render_chat
 from agentfold.sessions.manager import assistant_cuts
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {

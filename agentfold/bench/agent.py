@@ -256,7 +256,7 @@ def _new_entries(step: dict[str, Any], call_id: str | None, keep: int) -> list[d
 
 def build_transcript(seed: int, tokenizer: Any, quick: bool = False) -> dict[str, Any]:
     """The session's requests, each tool result cut so its request's new tokens stay within `NEW_SHARE`."""
-    from agentfold.serve.scheduler import render_chat, trailing_instruction
+    from agentfold.chat.template import render_chat, trailing_instruction
 
     profile = PROFILES["quick" if quick else "full"]
     steps, windows = plan_steps(seed)

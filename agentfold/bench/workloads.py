@@ -239,7 +239,7 @@ def pad_to_context(plan: dict[str, Any], context: int, seed: int, encode: Callab
     `encode` / `decode` are the model's tokenizer (no special tokens); `count(messages, tools, trailing)` is
     the prompt length the server will see. The result records the target and the prompt it reached.
     """
-    from agentfold.serve.scheduler import trailing_instruction
+    from agentfold.chat.template import trailing_instruction
 
     exclude = [plan["source"]["file"]] if plan.get("source") else []
     files = filler_files(seed, f"{plan['name']}:{context}", exclude)
@@ -275,7 +275,7 @@ def pad_to_context(plan: dict[str, Any], context: int, seed: int, encode: Callab
 def build_sessions(seed: int, context: int, tokenizer: Any, quick: bool = False,
                    kinds: Sequence[str] = KINDS) -> list[dict[str, Any]]:
     """The sessions of `kinds` for one context size, padded with `tokenizer` (deterministic per seed)."""
-    from agentfold.serve.scheduler import render_chat
+    from agentfold.chat.template import render_chat
 
     def count(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, trailing: str | None) -> int:
         text = render_chat(tokenizer, messages, tools, trailing=trailing)

@@ -114,11 +114,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from agentfold.chat.template import render_chat
     from agentfold.engine.decode import GenerationConfig
     from agentfold.engine.factory import build_engine
     from agentfold.engine.sampler import SamplingParams
     from agentfold.serve.models import resolve, verdict_file
-    from agentfold.serve.scheduler import render_chat
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

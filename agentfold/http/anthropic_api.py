@@ -18,6 +18,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from agentfold.chat.template import render_chat
+from agentfold.chat.tool_calls import TextPiece
+from agentfold.chat.tools import ToolCall, ToolSpec
 from agentfold.http.common import (
     SSE_HEADERS,
     ApiError,
@@ -38,7 +41,6 @@ from agentfold.http.common import (
     prepare,
     sse,
 )
-from agentfold.serve.scheduler import TextPiece, ToolCall, ToolSpec, render_chat
 
 log = logging.getLogger(__name__)
 

@@ -24,26 +24,15 @@ from typing import Any
 from starlette.requests import Request
 
 from agentfold.chat.cuts import memo_for, message_cuts, tools_salt
+from agentfold.chat.template import render_chat, trailing_instruction
+from agentfold.chat.tool_calls import TextPiece, ToolCallParser
+from agentfold.chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, ToolSpec
 from agentfold.engine.constraints import json_object_grammar, json_schema_grammar, tool_call_grammar
 from agentfold.engine.decode import Completion, Delta, GenerationConfig
 from agentfold.engine.sampler import SamplingParams
 from agentfold.http.report import turn_blocks
 from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES
-from agentfold.serve.scheduler import (
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
-    Runtime,
-    RuntimeBusy,
-    RuntimeClosed,
-    TextPiece,
-    ToolCall,
-    ToolCallParser,
-    ToolSpec,
-    Turn,
-    TurnRequest,
-    render_chat,
-    trailing_instruction,
-)
+from agentfold.serve.scheduler import Runtime, RuntimeBusy, RuntimeClosed, Turn, TurnRequest
 from agentfold.sessions.ids import check_session_id
 
 log = logging.getLogger(__name__)

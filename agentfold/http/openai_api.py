@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from agentfold import __version__
+from agentfold.chat.tool_calls import TextPiece
+from agentfold.chat.tools import ToolCall, ToolSpec
 from agentfold.http.common import (
     SSE_HEADERS,
     ApiError,
@@ -40,7 +42,6 @@ from agentfold.http.common import (
     prepare,
     sse,
 )
-from agentfold.serve.scheduler import TextPiece, ToolCall, ToolSpec
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from agentfold.chat.tool_calls import TextPiece
+from agentfold.chat.tools import ToolCall, ToolSpec
 from agentfold.http.common import (
     SSE_HEADERS,
     ApiError,
@@ -38,7 +40,6 @@ from agentfold.http.common import (
     sse,
 )
 from agentfold.http.openai_api import common_fields, content_text, parse_response_format
-from agentfold.serve.scheduler import TextPiece, ToolCall, ToolSpec
 from agentfold.sessions.ids import session_id_for_key
 
 log = logging.getLogger(__name__)

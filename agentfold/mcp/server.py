@@ -46,13 +46,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from agentfold.chat.template import render_chat
 from agentfold.engine.decode import GenerationConfig
 from agentfold.engine.sampler import SamplingParams
 from agentfold.http.auth import KEY_HINT, ApiKey
 from agentfold.http.common import plan_cuts, report_outcome
 from agentfold.http.report import turn_record
 from agentfold.serve.limits import is_loopback
-from agentfold.serve.scheduler import RuntimeBusy, RuntimeClosed, TurnRequest, render_chat
+from agentfold.serve.scheduler import RuntimeBusy, RuntimeClosed, TurnRequest
 from agentfold.serve.service import Service
 from agentfold.serve.telemetry import TurnRecord
 from agentfold.sessions.ids import check_session_id
