@@ -217,17 +217,41 @@ class Engine:
 
     def _decode(self, prompt: Sequence[int], config: GenerationConfig, cache: CacheState | None,
                 cuts: Sequence[int], on_prefill: PrefillObserver | None = None) -> Iterator[Delta]:
+        """Prefill the rest of the prompt chunk by chunk, then pass after pass until the reply ends."""
         if not prompt:
             raise ValueError("the prompt is empty")
         started = time.perf_counter()
         cache = cache if cache is not None else self.backend.new_cache()
         if cache.tokens != list(prompt[: cache.length]) or cache.length >= len(prompt):
             raise ValueError("the cache does not hold a proper prefix of this prompt")
-        stats = DecodeStats(prompt_tokens=len(prompt), cached_tokens=cache.length)
+        stats = DecodeStats(prompt_tokens=len(prompt), cached_tokens=cache.length,
+                            prefilled_tokens=len(prompt) - cache.length)
         offload = getattr(getattr(self.backend, "model", None), "expert_offload", None)
         offload_mark = offload.snapshot() if offload is not None else None
-        stats.prefilled_tokens = len(prompt) - cache.length
-        end = len(prompt) - 1  # the last prompt token is row 0 of the first verify pass
+        yield from self._prefill(prompt, cache, cuts, on_prefill, stats)
+
+        drafting = config.draft and self.drafter is not None and self.max_drafts > 0
+        stats.draft_method = self.drafter.name if drafting else "none"
+        fork = getattr(self.drafter, "fork", None)
+        reply = _Reply(history=list(prompt), detok=Detokenizer(self.tokenizer),
+                       drafter=(fork() if fork is not None else self.drafter) if drafting else None,  # per-reply state
+                       constraint=GrammarConstraint(self.tokenizer, config.grammar) if config.grammar else None)
+        while reply.finish is None:
+            drafts = self._propose(reply, config)
+            new_tokens = self._pass(reply, drafts, cache, config, stats, started)
+            yield Delta(new_tokens, reply.stream_text(config.stop))
+
+        stats.completion_tokens = len(reply.emitted)
+        stats.total_seconds = time.perf_counter() - started
+        stats.decode_seconds = stats.total_seconds - stats.ttft_seconds
+        if offload is not None:
+            stats.offload = offload.report(offload_mark)
+        return Completion(reply.emitted, reply.detok.text, reply.finish, stats)
+
+    def _prefill(self, prompt: Sequence[int], cache: CacheState, cuts: Sequence[int],
+                 on_prefill: PrefillObserver | None, stats: DecodeStats) -> Iterator[Delta]:
+        """One chunk of the plan per step, up to the last prompt token (row 0 of the first pass)."""
+        end = len(prompt) - 1
         for cut in [*self.plan(cache.length, end, cuts), end]:
             if cut <= cache.length:
                 continue
@@ -238,79 +262,48 @@ class Engine:
             stats.prefill_seconds += time.perf_counter() - began  # this reply's own work, not its waits
             yield Delta([], "")
 
-        params = config.params
-        drafting = config.draft and self.drafter is not None and self.max_drafts > 0
-        stats.draft_method = self.drafter.name if drafting else "none"
-        fork = getattr(self.drafter, "fork", None)
-        drafter = fork() if drafting and fork is not None else self.drafter  # per-reply state
-        history = list(prompt)
-        emitted: list[int] = []
-        constraint = GrammarConstraint(self.tokenizer, config.grammar) if config.grammar else None
-        detok = Detokenizer(self.tokenizer)
-        sent = 0  # characters of detok.text already streamed
-        finish = None
-        while finish is None:
-            room = config.max_tokens - len(emitted) - 1
-            drafts: list[int] = []
-            draft_seconds = 0.0
-            if drafting and room > 0:
-                depth = self.controller.depth(room)
-                if depth:
-                    began = time.perf_counter()
-                    drafts = drafter.propose(history, depth, params)[:depth]
-                    draft_seconds = time.perf_counter() - began
-            rows = [history[-1], *drafts]
-            base = cache.length  # absolute position of row 0's token
-            checkpoint = self.backend.checkpoint(cache) if drafts else None
-            began = time.perf_counter()
-            logits = self.backend.forward(rows, cache)
-            committed = self._verify(logits, drafts, base, params, constraint, stats)
-            accepted = len(committed) - 1
-            if checkpoint is not None:
-                self.backend.rollback(cache, checkpoint, accepted + 1)
-            seconds = time.perf_counter() - began
-            stats.verify_passes += 1
-            stats.pass_seconds.append(seconds)
-            stats.drafted += len(drafts)
-            stats.accepted += accepted
-            self.controller.observe_pass(len(rows), seconds)
-            if drafting:
-                self.controller.observe_drafts(len(drafts), accepted, draft_seconds)
+    def _propose(self, reply: _Reply, config: GenerationConfig) -> list[int]:
+        """The drafter's guesses for the next pass, as many as the depth controller finds worth it."""
+        room = config.max_tokens - len(reply.emitted) - 1
+        reply.draft_seconds = 0.0
+        if reply.drafter is None or room <= 0:
+            return []
+        depth = self.controller.depth(room)
+        if not depth:
+            return []
+        began = time.perf_counter()
+        drafts = reply.drafter.propose(reply.history, depth, config.params)[:depth]
+        reply.draft_seconds = time.perf_counter() - began
+        return drafts
 
-            now = time.perf_counter() - started
-            new_tokens: list[int] = []
-            for index, token in enumerate(committed):
-                history.append(token)
-                emitted.append(token)
-                new_tokens.append(token)
-                stats.emit_times.append(now)
-                if token in self.eos_token_ids:
-                    finish = "stop"
-                else:
-                    detok.add(token)
-                    hit = _find_stop(detok.text, config.stop)
-                    if hit is not None:
-                        detok.text = detok.text[:hit]
-                        finish = "stop"
-                if finish is None and len(emitted) >= config.max_tokens:
-                    finish = "length"
-                if finish is not None:
-                    if index < len(committed) - 1 and checkpoint is not None:
-                        self.backend.rollback(cache, checkpoint, index + 1)
-                    break
-            if len(emitted) == len(new_tokens):
-                stats.ttft_seconds = now
-                stats.first_pass_tokens = len(new_tokens)
-            safe = len(detok.text) if finish else len(detok.text) - _held_back(detok.text, config.stop)
-            text, sent = detok.text[sent:safe], max(sent, safe)
-            yield Delta(new_tokens, text)
-
-        stats.completion_tokens = len(emitted)
-        stats.total_seconds = time.perf_counter() - started
-        stats.decode_seconds = stats.total_seconds - stats.ttft_seconds
-        if offload is not None:
-            stats.offload = offload.report(offload_mark)
-        return Completion(emitted, detok.text, finish, stats)
+    def _pass(self, reply: _Reply, drafts: list[int], cache: CacheState, config: GenerationConfig,
+              stats: DecodeStats, started: float) -> list[int]:
+        """One verify pass: forward the pending token and the drafts, commit what serial decoding
+        would have, roll the cache back to it, and return the committed tokens."""
+        base = cache.length  # absolute position of row 0's token
+        checkpoint = self.backend.checkpoint(cache) if drafts else None
+        began = time.perf_counter()
+        logits = self.backend.forward([reply.history[-1], *drafts], cache)
+        committed = self._verify(logits, drafts, base, config.params, reply.constraint, stats)
+        accepted = len(committed) - 1
+        if checkpoint is not None:
+            self.backend.rollback(cache, checkpoint, accepted + 1)
+        seconds = time.perf_counter() - began
+        stats.verify_passes += 1
+        stats.pass_seconds.append(seconds)
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        self.controller.observe_pass(len(drafts) + 1, seconds)
+        if reply.drafter is not None:
+            self.controller.observe_drafts(len(drafts), accepted, reply.draft_seconds)
+        now = time.perf_counter() - started
+        kept = reply.commit(committed, now, config, self.eos_token_ids, stats)
+        if kept < len(committed) and checkpoint is not None:  # the reply ended inside this pass
+            self.backend.rollback(cache, checkpoint, kept)
+        if len(reply.emitted) == kept:
+            stats.ttft_seconds = now
+            stats.first_pass_tokens = kept
+        return committed[:kept]
 
     def _verify(self, logits, drafts: list[int], base: int, params: SamplingParams,
                 constraint: GrammarConstraint | None, stats: DecodeStats) -> list[int]:
@@ -334,6 +327,48 @@ class Engine:
                     stats.record_position(later, False)
                 break
         return committed
+
+
+@dataclass
+class _Reply:
+    """One reply's decoding state: the tokens so far, its text, its drafter fork and grammar."""
+
+    history: list[int]
+    detok: Detokenizer
+    drafter: Drafter | None
+    constraint: GrammarConstraint | None
+    emitted: list[int] = field(default_factory=list)
+    finish: str | None = None
+    sent: int = 0  # characters of detok.text already streamed
+    draft_seconds: float = 0.0
+
+    def commit(self, committed: list[int], now: float, config: GenerationConfig, eos: set[int],
+               stats: DecodeStats) -> int:
+        """Append the pass's tokens until the reply ends (EOS, a stop string, max_tokens); how many were kept."""
+        for index, token in enumerate(committed):
+            self.history.append(token)
+            self.emitted.append(token)
+            stats.emit_times.append(now)
+            if token in eos:
+                self.finish = "stop"
+            else:
+                self.detok.add(token)
+                hit = _find_stop(self.detok.text, config.stop)
+                if hit is not None:
+                    self.detok.text = self.detok.text[:hit]
+                    self.finish = "stop"
+            if self.finish is None and len(self.emitted) >= config.max_tokens:
+                self.finish = "length"
+            if self.finish is not None:
+                return index + 1
+        return len(committed)
+
+    def stream_text(self, stops: Sequence[str]) -> str:
+        """The text not yet streamed, holding back what could still become a stop string."""
+        text = self.detok.text
+        safe = len(text) if self.finish else len(text) - _held_back(text, stops)
+        piece, self.sent = text[self.sent:safe], max(self.sent, safe)
+        return piece
 
 
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:

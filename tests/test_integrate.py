@@ -23,7 +23,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentfold.integrations import writer as integrate
-from agentfold.integrations.writer import CLIENTS, UI_ONLY, Env, Settings
+from agentfold.integrations.clients import CLIENTS, UI_ONLY, Env, targets
+from agentfold.integrations.edits import Op
+from agentfold.integrations.errors import ConfigShapeError
+from agentfold.integrations.jsonc import merge_json, parse_jsonc
+from agentfold.integrations.merge import Change, merge
+from agentfold.integrations.settings import Settings, normalize_base_url
+from agentfold.integrations.templates import render_readme
 
 GOLDEN = Path(__file__).parent / "golden" / "integrate"
 UPDATE = os.environ.get("AGENTFOLD_UPDATE_GOLDEN") == "1"
@@ -90,7 +96,7 @@ def test_golden(tmp_path: Path, client: str, scope: str, transport: str) -> None
 
 @pytest.mark.parametrize("client", UI_ONLY)
 def test_golden_ui_only_readme(client: str) -> None:
-    text = integrate.render_readme(client, settings())
+    text = render_readme(client, settings())
     assert "{{" not in text and "http://127.0.0.1:8080/v1" in text and MODEL in text
     golden = GOLDEN / f"{client}.README.md"
     if UPDATE:
@@ -121,7 +127,7 @@ EXPECTED_PATHS = {
 @pytest.mark.parametrize(("client", "scope"), sorted(EXPECTED_PATHS))
 def test_paths_per_client_and_scope(tmp_path: Path, client: str, scope: str) -> None:
     env = make_env(tmp_path, scope)
-    assert [t.display for t in integrate.targets(client, env)] == EXPECTED_PATHS[(client, scope)]
+    assert [t.display for t in targets(client, env)] == EXPECTED_PATHS[(client, scope)]
 
 
 @pytest.mark.parametrize(("platform", "client", "path"), [
@@ -132,7 +138,7 @@ def test_paths_per_client_and_scope(tmp_path: Path, client: str, scope: str) -> 
 ])
 def test_user_paths_per_platform(tmp_path: Path, platform: str, client: str, path: str) -> None:
     env = make_env(tmp_path, "user", platform=platform)
-    assert [t.display for t in integrate.targets(client, env)] == [path]
+    assert [t.display for t in targets(client, env)] == [path]
 
 
 def test_templates_say_what_api_md_says(tmp_path: Path) -> None:
@@ -213,12 +219,12 @@ def test_jsonc_merge_keeps_comments_and_layout(tmp_path: Path) -> None:
                  "/* block\n     comment */", '"ollama": { "api_url": "http://localhost:11434" },',
                  '"other": { "command": "x" },'):
         assert kept in new
-    data = integrate.parse_jsonc(new).value
+    data = parse_jsonc(new).value
     assert data["context_servers"]["agentfold"] == {"url": "http://127.0.0.1:8080/mcp"}
     assert data["language_models"]["openai_compatible"]["AgentFold"]["api_url"] == "http://127.0.0.1:8080/v1"
     assert data["language_models"]["ollama"] == {"api_url": "http://localhost:11434"}
     # the only lines that changed are additions, plus a comma after the previous last member
-    removed = [line for line in integrate.diff(integrate.Change(integrate.targets("zed", env)[0], original, new))
+    removed = [line for line in integrate.diff(Change(targets("zed", env)[0], original, new))
                .splitlines() if line.startswith("-") and not line.startswith("---")]
     assert removed == ['-    "ollama": { "api_url": "http://localhost:11434" }']
 
@@ -235,7 +241,7 @@ def test_jsonc_merge_keeps_comments_and_layout(tmp_path: Path) -> None:
     ("", '{\n  "a": {\n    "b": 1\n  }\n}\n'),
 ])
 def test_json_in_place_edits(before: str, after: str) -> None:
-    assert integrate._merge_json(before, [integrate.Op(("a", "b"), 1)]) == after
+    assert merge_json(before, [Op(("a", "b"), 1)]) == after
 
 
 def test_codex_merge_keeps_toml_comments_and_tables(tmp_path: Path) -> None:
@@ -266,7 +272,7 @@ def test_codex_merge_keeps_toml_comments_and_tables(tmp_path: Path) -> None:
     assert data["mcp_servers"]["agentfold"] == {"url": "http://127.0.0.1:8080/mcp"}
     assert data["profiles"]["agentfold"] == {"model_provider": "agentfold", "model": MODEL}
     # switching transport replaces AgentFold's own entry, not its neighbours
-    stdio = integrate.merge(integrate.targets("codex", make_env(tmp_path, "user", "stdio"))[0], new).new
+    stdio = merge(targets("codex", make_env(tmp_path, "user", "stdio"))[0], new).new
     assert tomlkit.parse(stdio).unwrap()["mcp_servers"]["agentfold"] == {
         "command": "agentfold", "args": ["mcp", "--model", "/models/coder.gguf"]}
     section = stdio.split("[mcp_servers.agentfold]\n")[1].split("\n[")[0]
@@ -305,7 +311,7 @@ def test_opencode_v2_layout_is_followed(tmp_path: Path) -> None:
     (env.project_dir / "opencode.jsonc").write_text('{\n  // V2\n  "mcp": {"servers": {"x": {"type": "remote", "url": "u"}}}\n}\n')
     [change] = integrate.plan("opencode", env)
     assert change.target.display == "opencode.jsonc"
-    data = integrate.parse_jsonc(change.new).value
+    data = parse_jsonc(change.new).value
     assert data["mcp"]["servers"]["agentfold"]["url"] == "http://127.0.0.1:8080/mcp" and "agentfold" not in data["mcp"]
     assert data["$schema"] == "https://opencode.ai/config.json"
 
@@ -316,7 +322,7 @@ def test_crlf_files_keep_their_line_endings(tmp_path: Path) -> None:
     (env.project_dir / ".cursor" / "mcp.json").write_bytes(b'{\r\n  "mcpServers": {\r\n    "x": {"url": "u"}\r\n  }\r\n}\r\n')
     [change] = integrate.plan("cursor", env)
     assert change.new.count("\r\n") == change.new.count("\n") and "agentfold" in change.new
-    assert integrate.merge(change.target, change.new).changed is False
+    assert merge(change.target, change.new).changed is False
 
 
 # ------------------------------------------------------------------------------------------
@@ -436,7 +442,7 @@ def test_ui_only_clients_print_their_settings(capsys, tmp_path: Path) -> None:
     ("https://box.local/agentfold/mcp", "https://box.local/agentfold"),
 ])
 def test_base_url_normalization(given: str, root: str) -> None:
-    assert integrate.normalize_base_url(given) == root
+    assert normalize_base_url(given) == root
 
 
 def test_bad_base_url_is_one_line(capsys, tmp_path: Path) -> None:
@@ -543,14 +549,14 @@ def test_json_edits_mean_exactly_the_merge() -> None:
         for step in path[:-1]:
             if not isinstance(node.get(step), dict):
                 if step in node:
-                    with pytest.raises(integrate.ConfigShapeError):
-                        integrate._merge_json(text, [integrate.Op(tuple(path), value)])
+                    with pytest.raises(ConfigShapeError):
+                        merge_json(text, [Op(tuple(path), value)])
                     return
                 node[step] = {}
             node = node[step]
         node[path[-1]] = value
-        new = integrate._merge_json(text, [integrate.Op(tuple(path), value)])
-        assert integrate.parse_jsonc(new).value == expected
-        assert integrate._merge_json(new, [integrate.Op(tuple(path), value)]) == new
+        new = merge_json(text, [Op(tuple(path), value)])
+        assert parse_jsonc(new).value == expected
+        assert merge_json(new, [Op(tuple(path), value)]) == new
 
     check()

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+
+def progress(message: str) -> None:
+    """The one progress printer of every command: `[agentfold] message` on stderr, flushed."""
+    print(f"[agentfold] {message}", file=sys.stderr, flush=True)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -11,6 +17,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "keep"],
                         help="weights dtype after loading (default float32, fastest on CPU; torch on CUDA: bfloat16)")
     add_backend_args(parser)
+
+
+def add_model_file_args(parser: argparse.ArgumentParser) -> None:
+    """--model and --dtype (float32 by default) for commands that always run the MLX backend."""
+    parser.add_argument("--model", help="GGUF file or MLX/Hugging Face folder (default: embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "keep"],
+                        help="weights dtype after loading (float32 is fastest on CPU)")
 
 
 def add_backend_args(parser: argparse.ArgumentParser) -> None:

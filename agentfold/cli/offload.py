@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from agentfold.cli.args import progress
+
 PROFILE_CHUNK = 512  # prefill chunk (tokens) of the calibration text
-
-
-def _say(message: str) -> None:
-    print(f"[agentfold] {message}", file=sys.stderr, flush=True)
 
 
 def add_parser(sub: Any) -> None:
@@ -74,13 +71,13 @@ def profile_experts(model: str | Path, text_file: str | Path, out: str | Path, d
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    profile_experts(args.model, args.text, args.out, device=args.device, max_tokens=args.max_tokens, progress=_say)
+    profile_experts(args.model, args.text, args.out, device=args.device, max_tokens=args.max_tokens, progress=progress)
     return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from agentfold.bench.offload import bench_offload
 
-    result = bench_offload(args.out, quick=args.quick, device=args.device, progress=_say)
-    _say(f"wrote {args.out}: {json.dumps(result['summary'])}")
+    result = bench_offload(args.out, quick=args.quick, device=args.device, progress=progress)
+    progress(f"wrote {args.out}: {json.dumps(result['summary'])}")
     return 0 if result["summary"]["moe_identical_across_budgets"] and result["summary"]["moe_drafted_identical"] else 1

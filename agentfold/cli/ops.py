@@ -26,16 +26,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentfold.cli.args import progress
+
 COMMANDS = ("mcp", "stats", "audit")  # what run() handles: cli.main can route these names to it
 DTYPES = ["float32", "bfloat16", "float16", "keep"]
 
 
 class OpsError(Exception):
     """A user-fixable problem (unknown turn, nothing to audit): one line on stderr, exit status 2."""
-
-
-def _say(message: str) -> None:
-    print(f"[agentfold] {message}", file=sys.stderr, flush=True)
 
 
 def _home(args: argparse.Namespace) -> Path:
@@ -105,9 +103,9 @@ def load_engine(model: str | None, dtype: str = "float32", drafter: str = "suffi
     from agentfold.serve.models import resolve
 
     path = resolve(model)
-    _say(f"loading {path}")
+    progress(f"loading {path}")
     with contextlib.redirect_stdout(sys.stderr):
-        return build_engine(path, dtype=dtype, drafter=drafter, draft_model=draft_model, progress=_say)
+        return build_engine(path, dtype=dtype, drafter=drafter, draft_model=draft_model, progress=progress)
 
 
 def _service(engine: Any, home: Path, sessions: bool = True, audit_rate: float = 0.0) -> Any:
@@ -138,7 +136,7 @@ def run_mcp(args: argparse.Namespace) -> int:
     drafter = "draft-model" if args.draft_model else args.drafter
     engine = load_engine(args.model, args.dtype, drafter, args.draft_model)
     service = _service(engine, _home(args), sessions=not args.no_sessions, audit_rate=args.audit_rate)
-    _say(f"serving {service.runtime.model_id} over MCP stdio ({engine.exactness.describe()}); "
+    progress(f"serving {service.runtime.model_id} over MCP stdio ({engine.exactness.describe()}); "
          f"sessions and telemetry in {service.home}")
     try:
         build_mcp(service).run("stdio")
@@ -269,7 +267,7 @@ def run_audit(args: argparse.Namespace) -> int:
     try:
         loaded = service.runtime.model_id
         for model in sorted({r["model"] for r in rows} - {loaded}):
-            _say(f"warning: some turns were served by {model!r}, but {loaded!r} is loaded; "
+            progress(f"warning: some turns were served by {model!r}, but {loaded!r} is loaded; "
                  "a different model or dtype gives different tokens")
         verdicts = asyncio.run(_audit_all(service, [r["turn_id"] for r in rows]))
     finally:

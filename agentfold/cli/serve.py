@@ -11,18 +11,13 @@ import logging
 import os
 import re
 import socket
-import sys
 from typing import Any
 
-from agentfold.cli.args import add_model_args
+from agentfold.cli.args import add_model_args, progress
 from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
-
-
-def _progress(message: str) -> None:
-    print(f"[agentfold] {message}", file=sys.stderr, flush=True)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -114,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
 
     path = resolve(args.model)
     drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
-    _progress(f"loading {path}")
+    progress(f"loading {path}")
     engine = build_engine(path, dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
-                          progress=_progress, backend=args.backend, device=args.device, quant=args.quant,
+                          progress=progress, backend=args.backend, device=args.device, quant=args.quant,
                           verdicts=verdict_file())
     name = engine.backend.loaded.name
     runtime = Runtime(engine, name, aliases=[*args.alias, *default_aliases(name)], max_active=args.max_active,
@@ -125,11 +120,11 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(service, api_key=args.api_key, default_max_tokens=args.default_max_tokens, host=args.host,
                     max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin)
     keyed, args.api_key = bool(args.api_key), None  # only its hash is kept (server.auth)
-    _progress(f"sessions and telemetry in {service.home}")
-    _progress(f"serving {name} (context {runtime.context_length}, {engine.exactness.describe()}) "
+    progress(f"sessions and telemetry in {service.home}")
+    progress(f"serving {name} (context {runtime.context_length}, {engine.exactness.describe()}) "
               f"on http://{args.host}:{args.port}  names: {', '.join(runtime.model_names)}")
     if keyed:
-        _progress("API key required on every route but /health")
+        progress("API key required on every route but /health")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                     timeout_graceful_shutdown=5)

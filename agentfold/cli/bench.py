@@ -1,0 +1,128 @@
+"""`agentfold bench ...`: the benchmarks' subcommands; each writes one JSON file (and a report for `all`).
+
+A bench's own failure (`BenchError`: a server that would not start, a reply that differs) ends as
+one readable line through the CLI's error handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from agentfold.cli.args import add_model_args, add_model_file_args, progress
+
+
+def add_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (JSON out)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    decode = bench_sub.add_parser("decode", help="serial vs drafted vs mlx_lm on code edit, fresh code, prose")
+    add_model_args(decode)
+    decode.add_argument("--draft-model")
+    decode.add_argument("--max-tokens", type=int, default=128)
+    decode.add_argument("--quick", action="store_true")
+    decode.add_argument("--no-quality", action="store_true", help="skip the float32-vs-int8 quality report")
+    decode.add_argument("--out", required=True, help="JSON file to write")
+    quality = bench_sub.add_parser("quality", help="perplexity of float32 vs int8 weights on a fixed text, per backend")
+    add_model_file_args(quality)
+    quality.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"],
+                         help="auto (default): every backend that runs here; or just mlx or torch")
+    quality.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                         help="torch backend device (auto: cuda if visible)")
+    quality.add_argument("--tokens", type=int, default=1024, help="tokens of the fixed stdlib text to score")
+    quality.add_argument("--out", required=True, help="JSON file to write")
+    sessions = bench_sub.add_parser("sessions", help="resumed-after-restart vs cold time to first token, snapshot I/O")
+    add_model_file_args(sessions)
+    sessions.add_argument("--contexts", default="2048,8192", help="context sizes in tokens, comma-separated")
+    sessions.add_argument("--quick", action="store_true")
+    sessions.add_argument("--out", required=True, help="JSON file to write")
+    agent = bench_sub.add_parser("agent", help="a 30+ turn coding-agent session through both APIs: cached share, "
+                                 "TTFT and prefill per turn, after a restart, against a fresh server")
+    add_model_file_args(agent)
+    agent.add_argument("--quick", action="store_true", help="tiny tool results, shorter replies, 2 restart turns")
+    agent.add_argument("--seed", type=int, default=0, help="picks the stdlib files of the transcript")
+    agent.add_argument("--out", required=True, help="JSON file to write")
+    suite = bench_sub.add_parser("all", help="agent workloads through the HTTP server against baselines, with a report")
+    add_model_file_args(suite)
+    suite.add_argument("--quick", action="store_true", help="1K context only, short replies (a few minutes)")
+    suite.add_argument("--contexts", help="context sizes in tokens, comma-separated (default 1024,4096,16384)")
+    suite.add_argument("--long-model", help="model for contexts beyond --model's window (default: Gemma 3 270M)")
+    suite.add_argument("--seed", type=int, default=0, help="picks the stdlib files and prompts")
+    suite.add_argument("--out", required=True, help="JSON file to write")
+    suite.add_argument("--report-dir", help="also write the Markdown report and PNG plots here")
+    report = bench_sub.add_parser("report", help="Markdown summary and PNG plots from a `bench all` JSON")
+    report.add_argument("results", help="the JSON `bench all` wrote")
+    report.add_argument("--out-dir", help="where to write report.md and the plots (default: next to the JSON)")
+    from agentfold.cli import offload as offload_cli
+
+    offload_cli.add_bench_parser(bench_sub)
+
+
+def run(args: argparse.Namespace) -> int:
+    from agentfold.bench.decode import bench_decode
+
+    if args.bench in ("all", "report"):
+        return _run_suite(args)
+    if args.bench == "offload":
+        from agentfold.cli.offload import run_bench
+
+        return run_bench(args)
+    if args.bench == "sessions":
+        from agentfold.bench.sessions import BenchError, bench_sessions
+
+        contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+        try:
+            result = bench_sessions(args.model, args.out, contexts=contexts, quick=args.quick,
+                                    progress=progress, dtype=args.dtype)
+        except BenchError as error:
+            raise ValueError(str(error)) from error
+        progress(f"wrote {args.out}: {json.dumps(result.get('summary', {}))}")
+        return 0
+    if args.bench == "agent":
+        from agentfold.bench.agent import bench_agent
+        from agentfold.bench.server import BenchError as ServerBenchError
+
+        try:
+            result = bench_agent(args.model, args.out, quick=args.quick, seed=args.seed, dtype=args.dtype,
+                                 progress=progress)
+        except ServerBenchError as error:
+            raise ValueError(str(error)) from error
+        progress(f"wrote {args.out}: {json.dumps(result['summary'])}")
+        return 0 if result["summary"]["ok"] else 1
+    if args.bench == "quality":
+        from agentfold.bench.quality import bench_quality, summary_line
+
+        result = bench_quality(args.model, args.out, backend=args.backend, dtype=args.dtype, device=args.device,
+                               tokens=args.tokens, progress=progress)
+        progress(f"wrote {args.out}: {summary_line(result['quality'])}")
+        return 0
+    from agentfold.serve.models import verdict_file
+
+    result = bench_decode(args.model, args.out, draft_model=args.draft_model, max_tokens=args.max_tokens,
+                          dtype=args.dtype, quick=args.quick, progress=progress, backend=args.backend,
+                          quant=args.quant, device=args.device, verdicts=verdict_file(),
+                          quality=not args.no_quality)
+    progress(f"wrote {args.out}")
+    for name, row in result.get("workloads", {}).items():
+        progress(f"{name}: " + ", ".join(f"{k}={v}" for k, v in row.items() if isinstance(v, (int, float, bool))))
+    return 0
+
+
+def _run_suite(args: argparse.Namespace) -> int:
+    if args.bench == "report":
+        from agentfold.bench.report import report_from_file
+
+        for path in report_from_file(args.results, args.out_dir):
+            progress(f"wrote {path}")
+        return 0
+    from agentfold.bench.server import BenchError
+    from agentfold.bench.suite import bench_all
+
+    contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip()) if args.contexts else None
+    try:
+        result = bench_all(args.model, args.out, quick=args.quick, report_dir=args.report_dir, contexts=contexts,
+                           long_model=args.long_model, seed=args.seed, dtype=args.dtype, progress=progress)
+    except BenchError as error:
+        raise ValueError(str(error)) from error
+    progress(f"wrote {args.out}: {json.dumps(result['summary'])}")
+    return 0 if result["summary"]["all_equal"] else 1

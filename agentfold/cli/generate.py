@@ -1,0 +1,92 @@
+"""`agentfold generate`: one reply to one prompt, streamed, with its telemetry line.
+
+The prompt goes through the same chat renderer as the servers, so a reply here equals the
+server's reply to the same message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from agentfold.cli.args import add_model_args, progress
+
+
+def add_parser(sub: Any) -> None:
+    gen = sub.add_parser("generate", help="generate a reply to a prompt, streamed")
+    add_model_args(gen)
+    gen.add_argument("prompt", help="the user message (use - to read stdin)")
+    gen.add_argument("--draft-model", help="a small model sharing the tokenizer, used as drafter")
+    gen.add_argument("--drafter", default="suffix", choices=["suffix", "draft-model", "none"])
+    gen.add_argument("--no-draft", action="store_true", help="serial reference decoding")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--system", help="system message")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print the telemetry line as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from agentfold.chat.template import render_chat
+    from agentfold.engine.decode import GenerationConfig
+    from agentfold.engine.factory import build_engine
+    from agentfold.engine.sampler import SamplingParams
+    from agentfold.serve.models import resolve, verdict_file
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, seed=args.seed)
+    config = GenerationConfig(params=params, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                              draft=not args.no_draft)
+    drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
+    engine = build_engine(resolve(args.model), dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
+                          progress=progress, backend=args.backend, device=args.device, quant=args.quant,
+                          verdicts=verdict_file())
+    tokenizer = engine.tokenizer
+    if args.raw or not tokenizer.chat_template:
+        ids = tokenizer.encode(prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        ids = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)  # the server's renderer
+    generation = engine.stream(ids, config)
+    for delta in generation:
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    completion = generation.completion
+    stats = completion.stats
+    sys.stdout.write("\n")
+    line = {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "finish_reason": completion.finish_reason,
+        "prefill_tps": round(stats.prefilled_tokens / stats.prefill_seconds, 1) if stats.prefill_seconds else None,
+        "ttft_ms": round(stats.ttft_seconds * 1000, 1),
+        "decode_tps": round(stats.decode_tps, 2),
+        "passes": stats.verify_passes,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "tokens_per_pass": round(stats.tokens_per_pass, 2),
+        "draft_method": stats.draft_method,
+        "exactness": engine.exactness.describe(),
+        "token_sha": completion.token_sha[:16],
+    }
+    if args.json:
+        print(json.dumps(line), file=sys.stderr)
+    else:
+        print(
+            f"[agentfold] {line['completion_tokens']} tokens, {line['decode_tps']} tok/s, "
+            f"{line['passes']} passes, {line['drafted']} drafted, {line['accepted']} accepted, "
+            f"{line['tokens_per_pass']} tokens/pass, ttft {line['ttft_ms']} ms ({line['draft_method']}; "
+            f"{line['exactness']})",
+            file=sys.stderr,
+        )
+    return 0
