@@ -207,11 +207,12 @@ class Engine:
 
     def stream(self, prompt: Sequence[int], config: GenerationConfig, cache: CacheState | None = None,
                cuts: Sequence[int] = (), on_prefill: PrefillObserver | None = None) -> Generation:
-        """The reply as a generation: one empty `Delta` per prefill chunk, then one per verify pass.
+        """The reply as a generation: one empty `Delta` per prefill step, then one per verify pass.
 
-        Each prefill chunk is a step of its own so a scheduler can run other replies' passes
-        between the chunks of a long prompt. `on_prefill(cache)` is called after every chunk
-        (the session layer snapshots the cache where the reply starts).
+        A prefill step is one layer of one chunk of the plan, so a scheduler can run other
+        replies' passes between the steps of a long prompt and none waits more than a layer's
+        share of a chunk. `on_prefill(cache)` is called after every chunk (the session layer
+        snapshots the cache where the reply starts).
         """
         return Generation(self._decode(prompt, config, cache, cuts, on_prefill))
 
@@ -250,17 +251,19 @@ class Engine:
 
     def _prefill(self, prompt: Sequence[int], cache: CacheState, cuts: Sequence[int],
                  on_prefill: PrefillObserver | None, stats: DecodeStats) -> Iterator[Delta]:
-        """One chunk of the plan per step, up to the last prompt token (row 0 of the first pass)."""
+        """The plan's chunks up to the last prompt token (row 0 of the first pass), a layer per step."""
         end = len(prompt) - 1
         for cut in [*self.plan(cache.length, end, cuts), end]:
             if cut <= cache.length:
                 continue
             began = time.perf_counter()
-            self.backend.prefill(list(prompt[cache.length : cut]), cache)
+            for _ in self.backend.prefill_steps(list(prompt[cache.length : cut]), cache):
+                stats.prefill_seconds += time.perf_counter() - began  # this reply's own work, not its waits
+                yield Delta([], "")  # one layer's share: other replies' passes may run before the next
+                began = time.perf_counter()
             if on_prefill is not None:
                 on_prefill(cache)
-            stats.prefill_seconds += time.perf_counter() - began  # this reply's own work, not its waits
-            yield Delta([], "")
+            stats.prefill_seconds += time.perf_counter() - began
 
     def _propose(self, reply: _Reply, config: GenerationConfig) -> list[int]:
         """The drafter's guesses for the next pass, as many as the depth controller finds worth it."""

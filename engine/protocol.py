@@ -8,7 +8,7 @@ without loading a framework.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -61,6 +61,10 @@ class Backend(Protocol):
 
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`, computing no logits."""
+
+    def prefill_steps(self, tokens: Sequence[int], cache: CacheState) -> Iterator[None]:
+        """Append one chunk of `tokens` (no logits), yielding after each layer's share of the work:
+        the chunk is in the cache once the iterator is exhausted, bit for bit what `prefill` gives."""
 
     def checkpoint(self, cache: CacheState) -> Checkpoint: ...
 

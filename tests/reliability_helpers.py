@@ -11,8 +11,9 @@ from typing import Any
 
 import httpx
 
+from agentfold.http.app import build_app
 from agentfold.serve.scheduler import Runtime
-from agentfold.serve.service import Service, build_app
+from agentfold.serve.service import Service
 from tests.api_helpers import MODEL_ID, ServerThread
 
 STORE_TABLES = ("sessions", "turns", "snapshots")

@@ -12,8 +12,9 @@ import sys
 import pytest
 
 from agentfold.bench import llamacpp as bench_llamacpp
-from agentfold.bench.decode import CODE_EDIT_WINDOW, bench_decode, code_edit_source, workloads
+from agentfold.bench.decode import bench_decode
 from agentfold.bench.llamacpp import NOT_INSTALLED
+from agentfold.bench.prompts import CODE_EDIT_WINDOW, code_edit_source, workloads
 
 TOP_KEYS = {
     "schema", "timestamp", "duration_seconds", "quick", "max_tokens", "sampling", "machine", "versions", "blas",

@@ -33,7 +33,7 @@ def quick(tmp_path_factory) -> tuple[dict, subprocess.CompletedProcess]:
 
 def test_the_session_is_a_coding_agent_transcript(quick):
     result, done = quick
-    assert result["schema"] == "agentfold.bench.decode.agent/1" and result["quick"] is True
+    assert result["schema"] == "agentfold.bench.agent/1" and result["quick"] is True
     assert result["machine"]["loadavg_end"] is not None and result["duration_seconds"] > 0
     assert len(result["transcript"]["tools"]) >= 15 and "read_file" in result["transcript"]["tools"]
     turns = result["turns"]

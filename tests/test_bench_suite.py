@@ -47,7 +47,7 @@ def quick_run(tmp_path_factory) -> tuple[dict, Path]:
 def test_quick_json_has_every_section(quick_run):
     result, _ = quick_run
     assert not TOP_KEYS - set(result)
-    assert result["schema"] == "agentfold.bench.decode.suite/1" and result["quick"] is True
+    assert result["schema"] == "agentfold.bench.suite/1" and result["quick"] is True
     assert result["duration_seconds"] > 0 and result["machine"]["loadavg_end"] is not None
     assert not SECTION_KEYS - set(result["sections"])
     # the report's recomputation from the raw rows gives the stored sections
@@ -146,7 +146,7 @@ def test_report_regenerates_from_the_json(quick_run, tmp_path):
 
 def test_bench_report_rejects_other_json(tmp_path):
     other = tmp_path / "decode.json"
-    other.write_text(json.dumps({"schema": "agentfold.bench.decode.decode/1"}))
+    other.write_text(json.dumps({"schema": "agentfold.bench.decode/1"}))
     done = _agentfold("bench", "report", str(other), timeout=120)
     assert done.returncode == 2 and "not a bench suite result" in done.stderr
 

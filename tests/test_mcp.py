@@ -24,7 +24,8 @@ from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import NoiseDrafter
 from agentfold.engine.sampler import SamplingParams
 from agentfold.http.app import create_app
-from agentfold.mcp.server import HIDDEN_TURN_FIELDS, build_mcp, mount_mcp
+from agentfold.mcp.results import HIDDEN_TURN_FIELDS
+from agentfold.mcp.server import build_mcp, mount_mcp
 from agentfold.serve.scheduler import Runtime
 from agentfold.serve.service import Service
 from tests.api_helpers import MODEL_ID, ServerThread

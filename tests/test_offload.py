@@ -251,7 +251,7 @@ def test_bench_offload_writes_a_complete_json(tmp_path):
     out = tmp_path / "offload.json"
     bench_offload(out, quick=True, device="cpu", progress=None, plan=plan)
     data = json.loads(out.read_text())
-    assert data["schema"] == "agentfold.bench.decode.offload/1" and data["complete"]
+    assert data["schema"] == "agentfold.bench.offload/1" and data["complete"]
     assert data["duration_seconds"] > 0 and data["machine"]["cpu_count"] >= 1
     budgets = data["moe"]["budgets"]
     assert [(b["fraction"], b["copy_share"]) for b in budgets] == [(0.25, 0), (0.5, 0), (1.0, 0), (0.25, 1.0)]

@@ -24,7 +24,7 @@ from mcp import Client
 
 from agentfold.cli.serve import add_parser, check_limits
 from agentfold.http.app import Server
-from agentfold.http.auth import ApiKey
+from agentfold.serve.auth import ApiKey
 from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES
 from agentfold.serve.scheduler import Runtime
 from tests.api_helpers import MODEL_ID, wait_idle
@@ -82,7 +82,7 @@ def test_keys_are_kept_hashed(smollm2_engine):
         assert KEY not in repr(vars(server)) and isinstance(server.api_key, ApiKey)
     finally:
         server.runtime.close()
-    source = (ROOT / "agentfold" / "server" / "auth.py").read_text()
+    source = (ROOT / "agentfold" / "serve" / "auth.py").read_text()
     assert "hmac.compare_digest(_digest(candidate), self._digest)" in source  # constant time, over digests
 
 

@@ -9,8 +9,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agentfold.http.app import build_app
 from agentfold.serve.scheduler import Runtime
-from agentfold.serve.service import Service, build_app
+from agentfold.serve.service import Service
 from tests.api_helpers import MODEL_ID, ServerThread
 
 SOURCE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(40))

@@ -344,3 +344,66 @@ def test_both_backends_implement_the_protocol(tiny_folders):
         cache = backend.new_cache()
         backend.prefill(list(range(40, 60)), cache, boundaries=[45])
         assert cache.length == 20 and backend.forward([60, 61], cache).shape[0] == 2
+
+
+def _one_shot_prefill(backend, tokens: list[int]):
+    """The chunk the way prefill ran before it was stepped: one call, one evaluation of every layer."""
+    cache = backend.new_cache()
+    if isinstance(backend, MLXBackend):
+        import mlx.core as mx
+
+        backend._run(tokens, cache)
+        mx.eval([layer.state for layer in cache.layers])
+    else:
+        from agentfold.kernels import torch_cpu
+
+        with torch.inference_mode(), torch_cpu.prefill_chunk():
+            backend.model(torch.tensor(tokens), cache.layers, 0, logits=False)
+        cache.tokens.extend(tokens)
+    return cache
+
+
+def _hybrid_mlx_backend() -> MLXBackend:
+    from tests.tiny_models import build_model, loaded_model, make_tokenizer, tiny_config
+
+    tokenizer = make_tokenizer()
+    config = tiny_config("qwen3_next", len(tokenizer))
+    return MLXBackend(loaded_model(build_model(config, seed=3), tokenizer, config, Path(tempfile.mkdtemp())))
+
+
+@pytest.mark.parametrize("name", ["torch-llama", "torch-qwen3_moe", "mlx-llama", "mlx-qwen3_moe", "mlx-hybrid"])
+def test_prefill_steps_are_layers_that_others_can_run_between(tiny_folders, name):
+    """A prefill chunk runs one layer per step. Another cache's verify pass between the steps gets
+    the logits it gets alone (the prefill kernels are scoped to the step), and the chunk ends bit for
+    bit as the one-call prefill left it, whichever way it is stepped."""
+    kind = name.split("-", 1)[1]
+    if name == "mlx-hybrid":
+        backend = _hybrid_mlx_backend()
+    elif name.startswith("torch"):
+        backend = TorchBackend(load_torch_model(tiny_folders[kind], device="cpu"))
+    else:
+        backend = MLXBackend(load_model(tiny_folders[kind]))
+    chunk = [int(t) for t in np.random.default_rng(7).integers(3, 250, 150)]  # wider than the per-row limit
+    expected, _ = backend.cache_to_arrays(_one_shot_prefill(backend, chunk))
+
+    other = backend.new_cache()
+    backend.prefill([5, 9, 11, 13], other)
+    alone = backend.forward([17, 19, 23], backend.arrays_to_cache(*backend.cache_to_arrays(other)))
+    cache = backend.new_cache()
+    between = []
+    for _ in backend.prefill_steps(chunk, cache):
+        between.append(backend.forward([17, 19, 23], backend.arrays_to_cache(*backend.cache_to_arrays(other))))
+    assert len(between) == len(cache.layers) >= 2
+    assert all(np.array_equal(logits, alone) for logits in between)
+    arrays, _ = backend.cache_to_arrays(cache)
+    assert arrays.keys() == expected.keys()
+    assert all(np.array_equal(arrays[k], expected[k]) for k in expected), name
+
+    stopped = backend.new_cache()
+    steps = backend.prefill_steps(chunk, stopped)
+    next(steps)
+    steps.close()  # a cancelled reply: the cache is still whole (unchanged, or holding the chunk)
+    if stopped.length == 0:
+        backend.prefill(chunk, stopped)
+    arrays, _ = backend.cache_to_arrays(stopped)
+    assert all(np.array_equal(arrays[k], expected[k]) for k in expected), name

@@ -19,14 +19,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentfold.bench.decode import _completion_row, _loadavg, mlx_lm_decode, steady_tps
+from agentfold.bench.harness import TokenClock
+from agentfold.bench.machine import loadavg
+from agentfold.bench.mlx_baseline import mlx_lm_decode
+from agentfold.bench.rates import completion_row, rounded, steady_tps
 
 SPECULATIVE_SKIPPED = ("no draft model sharing the tokenizer is installed for SmolLM2-135M or Gemma 3 270M (they "
                        "are the smallest of their families here); mlx-lm speculative decoding needs one")
-
-
-def _round(value: float | None, digits: int = 3) -> float | None:
-    return None if value is None else round(float(value), digits)
 
 
 def agreement(tokens: Sequence[int], reference: Sequence[int], eos: set[int]) -> dict[str, Any]:
@@ -53,27 +52,6 @@ def converted_folder(gguf: Path, dtype: str = "float32") -> Path:
     return out
 
 
-class _TokenClock:
-    """A transformers streamer that records when each generated token arrives (the first put is the prompt)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.tokens: list[int] = []
-        self._prompt_seen = False
-
-    def put(self, value: Any) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        now = time.perf_counter()
-        for token in value.reshape(-1).tolist():
-            self.times.append(now)
-            self.tokens.append(int(token))
-
-    def end(self) -> None:
-        pass
-
-
 class TransformersEngine:
     """`transformers` `AutoModelForCausalLM` on torch CPU, float32, greedy `generate` timed per token."""
 
@@ -89,11 +67,11 @@ class TransformersEngine:
                       "torch": torch.__version__, "threads": torch.get_num_threads()}
         self._generate([1, 2, 3, 4], 2)  # warm-up
 
-    def _generate(self, prompt: Sequence[int], max_tokens: int) -> tuple[_TokenClock, float]:
+    def _generate(self, prompt: Sequence[int], max_tokens: int) -> tuple[TokenClock, float]:
         import torch
 
         ids = torch.tensor([list(prompt)])
-        clock = _TokenClock()
+        clock = TokenClock()
         started = time.perf_counter()
         with torch.no_grad():
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
@@ -103,10 +81,10 @@ class TransformersEngine:
     def run(self, job: dict[str, Any]) -> dict[str, Any]:
         clock, started = self._generate(job["prompt"], job["max_tokens"])
         times = clock.times
-        return {"max_tokens": job["max_tokens"], "loadavg": _loadavg(), "completion_tokens": len(clock.tokens),
-                "steady_tps": _round(steady_tps(times, 1)),
-                "ttft_seconds": _round(times[0] - started, 4) if times else None,
-                "total_seconds": _round((times[-1] if times else time.perf_counter()) - started, 4),
+        return {"max_tokens": job["max_tokens"], "loadavg": loadavg(), "completion_tokens": len(clock.tokens),
+                "steady_tps": rounded(steady_tps(times, 1)),
+                "ttft_seconds": rounded(times[0] - started, 4) if times else None,
+                "total_seconds": rounded((times[-1] if times else time.perf_counter()) - started, 4),
                 **agreement(clock.tokens, job["reply"], self.eos)}
 
 
@@ -132,9 +110,9 @@ class TorchBackendEngine:
 
         serial = self.engine.generate(job["prompt"], GenerationConfig(max_tokens=job["max_tokens"], draft=False))
         drafted = self.engine.generate(job["prompt"], GenerationConfig(max_tokens=job["max_tokens"], draft=True))
-        return {"max_tokens": job["max_tokens"], "loadavg": _loadavg(),
-                "serial": {**_completion_row(serial), **agreement(serial.tokens, job["reply"], self.eos)},
-                "drafted": _completion_row(drafted), "identical": serial.tokens == drafted.tokens}
+        return {"max_tokens": job["max_tokens"], "loadavg": loadavg(),
+                "serial": {**completion_row(serial), **agreement(serial.tokens, job["reply"], self.eos)},
+                "drafted": completion_row(drafted), "identical": serial.tokens == drafted.tokens}
 
 
 class Unavailable(RuntimeError):
@@ -180,7 +158,7 @@ class Baselines:
                 if key == "mlx_lm":
                     row = mlx_lm_decode(self.loaded.model, self.loaded.tokenizer, job["prompt"], job["max_tokens"])
                     row.update(identical_to_serial=row["token_sha"] == job["reply_sha"], max_tokens=job["max_tokens"],
-                               loadavg=_loadavg())
+                               loadavg=loadavg())
                 else:
                     row = self._engine(key).run(job)
             except Unavailable as reason:

@@ -17,19 +17,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from agentfold.bench.rates import ratio, rounded, steady_tps, token_sha
+
 NOT_INSTALLED = "llama-cpp-python is not installed (pip install llama-cpp-python)"
 LOOKUP_NGRAM = 2  # LlamaPromptLookupDecoding's defaults
 LOOKUP_DRAFTS = 10
-
-
-def _round(value: float | None, digits: int = 3) -> float | None:
-    return None if value is None else round(float(value), digits)
-
-
-def _steady_tps(times: Sequence[float], first_burst: int) -> float | None:
-    from agentfold.bench.decode import steady_tps
-
-    return steady_tps(times, first_burst)
 
 
 class LlamaCpp:
@@ -112,18 +104,16 @@ def decode(llm: Any, prompt: Sequence[int], max_tokens: int, stop_ids: Iterable[
     finally:
         generator.close()
     decode_seconds = times[-1] - times[0] if len(times) > 1 else 0.0
-    from agentfold.bench.decode import _token_sha
-
     return {
         "completion_tokens": len(tokens),
         "finish_reason": finish,
-        "steady_tps": _round(_steady_tps(times, 1)),
-        "decode_tps": _round((len(tokens) - 1) / decode_seconds) if decode_seconds > 0 else 0.0,
+        "steady_tps": rounded(steady_tps(times, 1)),
+        "decode_tps": rounded((len(tokens) - 1) / decode_seconds) if decode_seconds > 0 else 0.0,
         "first_pass_tokens": 1 if tokens else 0,
-        "ttft_seconds": _round(times[0] - started, 4) if times else None,
-        "decode_seconds": _round(decode_seconds, 4),
-        "total_seconds": _round((times[-1] if times else time.perf_counter()) - started, 4),
-        "token_sha": _token_sha(tokens),
+        "ttft_seconds": rounded(times[0] - started, 4) if times else None,
+        "decode_seconds": rounded(decode_seconds, 4),
+        "total_seconds": rounded((times[-1] if times else time.perf_counter()) - started, 4),
+        "token_sha": token_sha(tokens),
         "tokens": tokens,
     }
 
@@ -135,7 +125,7 @@ def workload_row(runner: LlamaCpp, prompt: Sequence[int], max_tokens: int, stop_
     serial = decode(runner.serial, prompt, max_tokens, stop_ids)
     row: dict[str, Any] = {
         "serial_tps": serial["steady_tps"],
-        "agentfold_serial_vs_llama_cpp": _ratio(serial_tps, serial["steady_tps"]),
+        "agentfold_serial_vs_llama_cpp": ratio(serial_tps, serial["steady_tps"]),
         "identical_to_agentfold_serial": serial["tokens"] == list(serial_tokens),
     }
     lookup = None
@@ -143,7 +133,7 @@ def workload_row(runner: LlamaCpp, prompt: Sequence[int], max_tokens: int, stop_
         lookup = decode(runner.lookup, prompt, max_tokens, stop_ids)
         row.update({
             "prompt_lookup_tps": lookup["steady_tps"],
-            "prompt_lookup_speedup": _ratio(lookup["steady_tps"], serial["steady_tps"]),
+            "prompt_lookup_speedup": ratio(lookup["steady_tps"], serial["steady_tps"]),
             "prompt_lookup_identical_to_its_serial": lookup["tokens"] == serial["tokens"],
             "prompt_lookup_identical_to_agentfold_serial": lookup["tokens"] == list(serial_tokens),
         })
@@ -151,7 +141,3 @@ def workload_row(runner: LlamaCpp, prompt: Sequence[int], max_tokens: int, stop_
     row["prompt_lookup"] = ({k: v for k, v in lookup.items() if k != "tokens"} if lookup is not None
                             else {"skipped": runner.lookup_missing})
     return row
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 4) if a and b else None

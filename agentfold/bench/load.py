@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from agentfold.bench.harness import ServerProcess
+
 PROMPTS = (
     "Write a Python function that reverses a string.",
     "What does `git rebase -i` do? One sentence.",
@@ -227,7 +229,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentfold.bench.harness import ServerProcess
+    """`agentfold loadtest`: start a server unless --url, run the load, print the verdict; 0 only if it passed."""
 
     def say(message: str) -> None:
         print(f"[agentfold] {message}", file=sys.stderr, flush=True)

@@ -18,7 +18,6 @@ Speed is reported, never asserted.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import platform
 import time
@@ -28,19 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from agentfold.bench.decode import (
-    _completion_row,
-    _round,
-    encode_chat,
-    finish_run,
-    machine_info,
-    model_record,
-    run_header,
-    steady_tps,
-    workloads,
-)
+from agentfold.bench.harness import TokenClock
+from agentfold.bench.machine import finish_run, machine_info, run_header, utc_timestamp
+from agentfold.bench.prompts import encode_chat, workloads
+from agentfold.bench.rates import completion_row, rounded, steady_tps
+from agentfold.bench.weights import model_record
 
-SCHEMA = "agentfold.bench.decode.offload/1"
+SCHEMA = "agentfold.bench.offload/1"
 BUDGETS = (0.25, 0.5, 1.0)
 COPY_RUN = {"fraction": 0.25, "copy_share": 1.0, "stream_slots": 32}  # misses copied over PCIe, not run on CPU
 
@@ -125,7 +118,7 @@ def _budget_run(loaded: Any, layers: dict, fraction: float, profile: dict, plan:
     _decode(engine, prompt, 4, draft=False)  # warm-up (kernels compiled, pool touched)
     serial = _decode(engine, prompt, plan["moe_tokens"], draft=False)
     drafted = _decode(engine, prompt, plan["moe_tokens"], draft=True)
-    s_row, d_row = _completion_row(serial), _completion_row(drafted)
+    s_row, d_row = completion_row(serial), completion_row(drafted)
     row = {
         "fraction": fraction,
         "copy_share": offload.copy_share,
@@ -136,8 +129,8 @@ def _budget_run(loaded: Any, layers: dict, fraction: float, profile: dict, plan:
         "max_width": report.max_width,
         "serial_tps": s_row["steady_tps"],
         "drafted_tps": d_row["steady_tps"],
-        "tokens_per_pass": _round(drafted.stats.tokens_per_pass, 4),
-        "acceptance_rate": _round(drafted.stats.acceptance_rate, 4),
+        "tokens_per_pass": rounded(drafted.stats.tokens_per_pass, 4),
+        "acceptance_rate": rounded(drafted.stats.acceptance_rate, 4),
         "identical": serial.tokens == drafted.tokens,
         "hit_rate": serial.stats.offload["hit_rate"],
         "experts_per_layer": serial.stats.offload["experts_per_layer"],
@@ -216,27 +209,6 @@ def bench_moe(plan: dict[str, Any], device: Any, dtype: Any, say: Callable[[str]
     }
 
 
-class _TokenClock:
-    """A `transformers` streamer that timestamps each generated token (the first put is the prompt)."""
-
-    def __init__(self, device: Any) -> None:
-        self.device = device
-        self.times: list[float] = []
-        self.tokens: list[int] = []
-        self._prompt = True
-
-    def put(self, value: Any) -> None:
-        if self._prompt:
-            self._prompt = False
-            return
-        _sync(self.device)
-        self.times.append(time.perf_counter())
-        self.tokens.extend(int(t) for t in value.reshape(-1).tolist())
-
-    def end(self) -> None:
-        pass
-
-
 def transformers_decode(path: Path, prompt: Sequence[int], max_tokens: int, device: Any, dtype: Any,
                         eos: set[int]) -> dict[str, Any]:
     """Greedy `generate` of the same folder, prompt and length; rate (n - 1) / (t_last - t_first)."""
@@ -251,14 +223,14 @@ def transformers_decode(path: Path, prompt: Sequence[int], max_tokens: int, devi
               "pad_token_id": sorted(eos)[0] if eos else 0}
     with torch.inference_mode():
         model.generate(ids, **{**kwargs, "max_new_tokens": 2})  # warm-up
-        clock = _TokenClock(device)
+        clock = TokenClock(lambda: _sync(device))
         started = time.perf_counter()
         model.generate(ids, streamer=clock, **kwargs)
     tokens = clock.tokens
     del model
     return {"load_seconds": round(load, 3), "completion_tokens": len(tokens),
-            "steady_tps": _round(steady_tps(clock.times, 1)),
-            "ttft_seconds": _round(clock.times[0] - started, 4) if clock.times else None,
+            "steady_tps": rounded(steady_tps(clock.times, 1)),
+            "ttft_seconds": rounded(clock.times[0] - started, 4) if clock.times else None,
             "tokens": tokens}
 
 
@@ -299,7 +271,7 @@ def bench_dense(plan: dict[str, Any], device: Any, say: Callable[[str], None]) -
     _decode(engine, prompt[:32], 4, draft=False)
     serial = _decode(engine, prompt, plan["dense_tokens"], draft=False)
     drafted = _decode(engine, prompt, plan["dense_tokens"], draft=True)
-    s_row, d_row = _completion_row(serial), _completion_row(drafted)
+    s_row, d_row = completion_row(serial), completion_row(drafted)
     dtype = next(loaded.model.parameters()).dtype
     size = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     params = sum(p.numel() for p in loaded.model.parameters())
@@ -320,12 +292,12 @@ def bench_dense(plan: dict[str, Any], device: Any, say: Callable[[str], None]) -
         "exactness": report.describe(),
         "serial_tps": s_row["steady_tps"],
         "drafted_tps": d_row["steady_tps"],
-        "speedup": _round(d_row["steady_tps"] / s_row["steady_tps"], 4)
+        "speedup": rounded(d_row["steady_tps"] / s_row["steady_tps"], 4)
         if d_row["steady_tps"] and s_row["steady_tps"] else None,
-        "tokens_per_pass": _round(drafted.stats.tokens_per_pass, 4),
+        "tokens_per_pass": rounded(drafted.stats.tokens_per_pass, 4),
         "identical": serial.tokens == drafted.tokens,
         "transformers_tps": stock["steady_tps"],
-        "serial_vs_transformers": _round(s_row["steady_tps"] / stock["steady_tps"], 4)
+        "serial_vs_transformers": rounded(s_row["steady_tps"] / stock["steady_tps"], 4)
         if s_row["steady_tps"] and stock["steady_tps"] else None,
         "serial": s_row,
         "drafted_run": d_row,
@@ -350,7 +322,7 @@ def bench_offload(out: str | Path, quick: bool = False, device: str = "auto",
 
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    timestamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    timestamp = utc_timestamp()
     machine = machine_info()
     target = resolve_device(device)
     plan = plan or (SMALL if quick or target.type == "cpu" else FULL)

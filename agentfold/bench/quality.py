@@ -17,7 +17,6 @@ place, and such a model cannot go back to float.
 
 from __future__ import annotations
 
-import datetime as _dt
 import gc
 import hashlib
 import math
@@ -29,7 +28,11 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA = "agentfold.bench.decode.quality/1"
+from agentfold.bench.machine import finish_run, machine_info, run_header, utc_timestamp
+from agentfold.bench.prompts import encode_chat
+from agentfold.bench.weights import model_path
+
+SCHEMA = "agentfold.bench.quality/1"
 DEFAULT_LIMIT_PCT = 2.0  # int8 may be the default only within this much perplexity of float32
 TEXT_FILES = ("colorsys.py", "bisect.py", "textwrap.py", "sched.py", "heapq.py", "string.py")
 TEXT_TOKENS = 1024
@@ -132,12 +135,6 @@ def available_backends(device: str = "auto") -> list[str]:
     return candidates(device)
 
 
-def _model_path(model: str | Path | None) -> Path:
-    from agentfold.bench.decode import _model_path as resolve
-
-    return resolve(None if model is None else str(model))
-
-
 # -- the report ---------------------------------------------------------------------------------
 
 
@@ -151,12 +148,11 @@ def quality_report(model: str | Path | None = None, backends: Sequence[str] | No
     `default_ok` per backend: |int8 / float32 - 1| <= `limit_pct` %; the report's `default_ok`:
     every measured backend passes. A backend that cannot run here is recorded with the reason.
     """
-    from agentfold.bench.decode import encode_chat
     from agentfold.engine.factory import build_engine
 
     say = progress or (lambda message: None)
     began = time.perf_counter()
-    path = _model_path(model)
+    path = model_path(None if model is None else str(model))
     source = stdlib_text()
     names = list(backends) if backends else available_backends(device)
     report: dict[str, Any] = {
@@ -236,10 +232,8 @@ def bench_quality(model: str | None, out: str | Path, backend: str = "auto", dty
                   device: str = "auto", tokens: int = TEXT_TOKENS,
                   progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """`agentfold bench quality`: the quality report alone, with the machine header, written as JSON."""
-    from agentfold.bench.decode import finish_run, machine_info, run_header
-
     started = time.perf_counter()
-    timestamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    timestamp = utc_timestamp()
     machine = machine_info()
     backends = None if backend == "auto" else [backend]
     report = quality_report(model, backends=backends, tokens=tokens, dtype=dtype, device=device, progress=progress)

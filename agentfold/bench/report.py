@@ -254,6 +254,6 @@ def report_from_file(path: str | Path, out_dir: str | Path | None = None) -> lis
     """`agentfold bench report RESULTS.json [--out-dir DIR]` (default DIR: next to the JSON, named after it)."""
     source = Path(path)
     result = json.loads(source.read_text())
-    if not str(result.get("schema", "")).startswith("agentfold.bench.decode.suite/"):
+    if not str(result.get("schema", "")).startswith("agentfold.bench.suite/"):
         raise ValueError(f"{source} is not a bench suite result (schema {result.get('schema')!r})")
     return write_report(result, out_dir or source.with_suffix(""))

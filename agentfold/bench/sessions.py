@@ -24,7 +24,6 @@ same Python bench the same prompts. Speed is reported, never asserted: `identica
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import os
@@ -36,7 +35,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-SCHEMA = "agentfold.bench.decode.sessions/1"
+from agentfold.bench.harness import BenchError
+from agentfold.bench.prompts import encode_chat
+
+SCHEMA = "agentfold.bench.sessions/1"
 GOAL_CONTEXT = 8192  # the context label the goal is judged at
 GOAL_RATIO = 0.10  # resumed TTFT at most 10% of cold TTFT
 CONTEXT_HEADROOM = 512  # tokens kept free below the model's context for the reply (8192 -> 7680)
@@ -51,10 +53,6 @@ SYSTEM_PROMPT = "You are a senior Python engineer reviewing standard library cod
 REPLY_TOKENS = 64  # measured reply and setup replies (full run)
 QUICK_REPLY_TOKENS = 12
 WORKER_TIMEOUT_S = 3600
-
-
-class BenchError(RuntimeError):
-    """A bench step failed; the message says which and why (one line)."""
 
 
 # -- the conversation ---------------------------------------------------------------------------
@@ -117,15 +115,10 @@ def conversation(tokenizer: Any, target_tokens: int, reply_tokens: int) -> tuple
     for text in users[:2]:
         messages += [{"role": "user", "content": text}, {"role": "assistant", "content": filler}]
     messages.append({"role": "user", "content": users[2]})
-    overhead = len(_encode_chat(tokenizer, messages))
+    overhead = len(encode_chat(tokenizer, messages))
     if target_tokens - overhead < 64:
         raise BenchError(f"a {target_tokens}-token context is too short for this conversation ({overhead} tokens)")
     return _user_turns(tokenizer, target_tokens - overhead)
-
-
-def _encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 # -- timing the store ---------------------------------------------------------------------------
@@ -283,6 +276,26 @@ def _context_length(config: dict[str, Any]) -> int | None:
     return None
 
 
+def _setup_turns(manager: Any, users: Sequence[str], config: Any, context: int,
+                 say: Callable[[str], None]) -> tuple[list[dict[str, str]], str | None, list[dict[str, Any]]]:
+    """Turns 0 and 1 answered here, each reply's start stored: (the messages so far, session id, a row per turn)."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+    session, setup_turns = None, []
+    for index, text in enumerate(users[:2]):
+        messages.append({"role": "user", "content": text})
+        began = time.perf_counter()
+        completion, info = manager.reply(messages, config, session)
+        session = info.session_id
+        messages.append({"role": "assistant", "content": completion.text})
+        setup_turns.append({"turn": index, "prompt_tokens": info.prompt_tokens,
+                            "cached_tokens": info.cached_tokens, "reply_tokens": len(completion.tokens),
+                            "seconds": round(time.perf_counter() - began, 3),
+                            "saved_snapshot_id": info.saved_snapshot_id})
+        say(f"bench sessions: {context}: setup turn {index}: {info.prompt_tokens} prompt tokens "
+            f"({info.cached_tokens} restored), {time.perf_counter() - began:.1f}s")
+    return messages, session, setup_turns
+
+
 def _one_context(engine: Any, model_path: Path, dtype: str, context: int, target: int, reply_tokens: int,
                  self_check: bool, say: Callable[[str], None]) -> dict[str, Any]:
     """Setup turns here, then turn 2 resumed in one worker and cold in another; one JSON row."""
@@ -296,21 +309,8 @@ def _one_context(engine: Any, model_path: Path, dtype: str, context: int, target
             tempfile.TemporaryDirectory(prefix="agentfold-bench-cold-") as cold_home:
         manager = SessionManager(engine, resume_home)
         timings = _time_store(manager.store)
-        messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM_PROMPT}]
-        session, setup_turns = None, []
         setup_began = time.perf_counter()
-        for index, text in enumerate(users[:2]):
-            messages.append({"role": "user", "content": text})
-            began = time.perf_counter()
-            completion, info = manager.reply(messages, setup_config, session)
-            session = info.session_id
-            messages.append({"role": "assistant", "content": completion.text})
-            setup_turns.append({"turn": index, "prompt_tokens": info.prompt_tokens,
-                                "cached_tokens": info.cached_tokens, "reply_tokens": len(completion.tokens),
-                                "seconds": round(time.perf_counter() - began, 3),
-                                "saved_snapshot_id": info.saved_snapshot_id})
-            say(f"bench sessions: {context}: setup turn {index}: {info.prompt_tokens} prompt tokens "
-                f"({info.cached_tokens} restored), {time.perf_counter() - began:.1f}s")
+        messages, session, setup_turns = _setup_turns(manager, users, setup_config, context, say)
         messages.append({"role": "user", "content": users[2]})
         setup_seconds = time.perf_counter() - setup_began
         expected_snapshot = setup_turns[-1]["saved_snapshot_id"]
@@ -373,14 +373,15 @@ def bench_sessions(model: str | None, out: str | Path, contexts: Sequence[int] =
     context less CONTEXT_HEADROOM (SmolLM2's 8192 becomes 7680) so the prompt and reply fit.
     `quick`: only the smallest context, short replies, no self-check in the workers.
     """
-    from agentfold.bench.decode import finish_run, machine_info, model_bytes, model_record, run_header
+    from agentfold.bench.machine import finish_run, machine_info, run_header, utc_timestamp
+    from agentfold.bench.weights import model_bytes, model_record
     from agentfold.engine.factory import build_engine
     from agentfold.engine.mlx.loader import load_model
     from agentfold.serve.models import resolve
 
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    timestamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    timestamp = utc_timestamp()
     contexts = sorted({int(c) for c in contexts})
     if not contexts:
         raise ValueError("contexts must name at least one context size")

@@ -23,7 +23,6 @@ Speed is reported, never asserted; the equality flags are the part that must hol
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -31,19 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from agentfold.bench.baselines import SPECULATIVE_SKIPPED, Baselines
-from agentfold.bench.decode import (
-    _loadavg,
-    copy_bandwidth,
-    finish_run,
-    machine_info,
-    model_bytes,
-    model_record,
-    run_header,
-)
-from agentfold.bench.server import BenchError, ServerProcess, assistant_message, client_for, dump_reply, stream_chat
+from agentfold.bench.harness import BenchError, ServerProcess
+from agentfold.bench.machine import copy_bandwidth, finish_run, loadavg, machine_info, run_header, utc_timestamp
+from agentfold.bench.server import WARMUP, assistant_message, client_for, dump_reply, stream_chat
+from agentfold.bench.weights import model_entry
 from agentfold.bench.workloads import KINDS, build_sessions, describe
 
-SCHEMA = "agentfold.bench.decode.suite/1"
+SCHEMA = "agentfold.bench.suite/1"
 FULL_CONTEXTS = (1024, 4096, 16384)
 QUICK_CONTEXTS = (1024,)
 SESSION_ROOM = 1536  # tokens a session needs after its first prompt: replies, the pasted tool result
@@ -51,7 +44,6 @@ BASELINE_TURNS = {"agent-edit": 2, "agent-tool": 2, "fresh-code": 1, "prose": 1}
 QUICK_BASELINES = ("agent-edit",)
 QUICK_COLD = ("agent-edit",)
 LONG_KINDS = ("agent-edit",)  # a 16K prefill takes minutes on two cores: one session kind at long contexts
-WARMUP = [{"role": "user", "content": "Say hello in one short sentence."}]
 TELEMETRY_KEYS = (
     "ttft_ms", "prefill_ms", "decode_ms", "total_ms", "queue_ms", "cache_restore_ms", "decode_tps", "prefill_tps",
     "prefilled_tokens", "completion_tokens", "itl_p50", "itl_p90", "itl_p99", "itl_max", "pass_p50", "pass_p99",
@@ -63,18 +55,6 @@ TELEMETRY_KEYS = (
 
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def context_length(loaded: Any) -> int:
-    for key in ("max_position_embeddings", "context_length", "max_seq_len"):
-        if loaded.config.get(key):
-            return int(loaded.config[key])
-    return 2048
-
-
-def _model_entry(loaded: Any, dtype: str, role: str) -> dict[str, Any]:
-    size, params = model_bytes(loaded.model)
-    return {**model_record(loaded, dtype, size, params), "role": role, "context_length": context_length(loaded)}
 
 
 # -- one server's sessions ----------------------------------------------------------------------
@@ -143,7 +123,7 @@ class SessionRunner:
             "text_head": reply["content"][:160],
             "tool_calls": [{"name": c["name"], "arguments": c["arguments"][:200]} for c in reply["tool_calls"]],
             "client": {k: reply[k] for k in ("ttft_s", "total_s", "chunks", "chunk_gaps_ms")},
-            "loadavg": _loadavg(),  # other work on the machine while this was measured
+            "loadavg": loadavg(),  # other work on the machine while this was measured
             "server": {**{k: v for k, v in block.items() if k != "exactness"}, "timings": reply["timings"]},
             "_reply": reply,
         }
@@ -176,7 +156,7 @@ class SessionRunner:
 def _serve(path: Path | str, dtype: str, role: str, model_bytes_: int, say: Callable[[str], None],
            work: Callable[[ServerProcess], SessionRunner]) -> tuple[SessionRunner, dict[str, Any]]:
     """Start a server, let `work` run its requests, record its memory and /metrics, stop it, read its telemetry."""
-    server = ServerProcess(path, dtype=dtype, progress=lambda m: say(f"{role} server: {m}"))
+    server = ServerProcess.for_bench(path, dtype=dtype, progress=lambda m: say(f"{role} server: {m}"))
     try:
         server.start()
         runner = work(server)
@@ -184,8 +164,9 @@ def _serve(path: Path | str, dtype: str, role: str, model_bytes_: int, say: Call
         memory = server.memory()
         server.stop()
         runner.finish()
+        health = server.health_at_start
         record = {"role": role, "model": runner.model, "startup_seconds": server.startup_seconds,
-                  "exactness": server.health.get("exactness"), "context_length": server.health.get("context_length"),
+                  "exactness": health.get("exactness"), "context_length": health.get("context_length"),
                   "vm_hwm_bytes": memory.get("VmHWM"), "vm_rss_bytes": memory.get("VmRSS"),
                   "model_bytes": model_bytes_, "metrics": metrics}
         return runner, record
@@ -304,7 +285,7 @@ class Suite:
                 self.skip(f"{c}-token context", f"exceeds {main['name']}'s context {main['context_length']} and no "
                           f"long-context model is available: {error}")
             return None
-        model = _model_entry(loaded, self.dtype, "long")
+        model = model_entry(loaded, self.dtype, "long")
         contexts = [c for c in [*reference[:1], *beyond] if c + SESSION_ROOM <= model["context_length"]]
         for c in beyond:
             if c not in contexts:
@@ -326,6 +307,73 @@ class Suite:
         self.serve(path, model, "long", work)
         return model
 
+    def run_servers(self, path: Path, loaded: Any, main: dict[str, Any], fits: Sequence[int],
+                    beyond: Sequence[int], long_model: str | None) -> tuple[dict[str, Any] | None, Baselines]:
+        """The main server (each workload's baselines right after it), the cold one, the long-context one:
+        (the long-context model's record or None, the baselines)."""
+        baselines = Baselines(path, loaded, self.dtype, self.quick, self.say)
+        try:
+            runner = self.run_main(path, main, loaded.tokenizer, fits, baselines)
+        finally:
+            baselines.close()
+        if self.quick:
+            self.skip("baselines on " + ", ".join(k for k in KINDS if k not in QUICK_BASELINES),
+                      "--quick runs the baselines on agent-edit's code turn only")
+        for key, reason in baselines.skipped.items():
+            self.skip(f"baseline {key}", reason)
+        self.skip("baseline mlx_lm_speculative", SPECULATIVE_SKIPPED)
+        self.run_cold(path, main, runner, fits)
+        long = self.run_long(long_model, main, beyond, fits) if beyond else None
+        if self.quick and not beyond:
+            self.skip("4K and 16K contexts", "--quick measures the 1K context only")
+        return long, baselines
+
+
+def _main_model(model: str | None, contexts: Sequence[int], dtype: str,
+                say: Callable[[str], None]) -> tuple[Path, Any, dict[str, Any], list[int], list[int]]:
+    """The main model loaded here (tokenizer, weight bytes, baselines), and the contexts it holds or not."""
+    from agentfold.engine.mlx.loader import load_model
+    from agentfold.serve.models import resolve
+
+    path = resolve(model)
+    say(f"loading {path} in this process (tokenizer, weight bytes, baselines)")
+    loaded = load_model(path, dtype, say)
+    main = model_entry(loaded, dtype, "main")
+    fits = [c for c in contexts if c + SESSION_ROOM <= main["context_length"]]
+    beyond = [c for c in contexts if c not in fits]
+    if not fits:
+        raise BenchError(f"none of the contexts {list(contexts)} fits {main['name']}'s {main['context_length']} tokens")
+    return path, loaded, main, fits, beyond
+
+
+def _roofline(bandwidth: dict[str, Any], models: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+    return {**bandwidth, "note": "one full read of the weights per token at the measured copy bandwidth",
+            "models": {m["name"]: {"bytes": m["bytes"], "tps": round(bandwidth["bandwidth_gbs"] * 1e9 / m["bytes"], 3)}
+                       for m in models.values() if m}}
+
+
+def _agent_section(path: Path, quick: bool, seed: int, dtype: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """The agent session bench on the main model (skipped in --quick: it adds minutes)."""
+    if quick:  # the agent session (37 requests, a restart, a fresh server) adds minutes
+        return {"skipped": "quick: run `agentfold bench agent --quick` on its own"}
+    from agentfold.bench.agent import bench_agent
+
+    try:
+        return bench_agent(str(path), None, seed=seed, dtype=dtype, progress=say)
+    except BenchError as error:
+        return {"error": str(error)}
+
+
+def _summary(result: dict[str, Any], suite: Suite) -> dict[str, Any]:
+    exact = result["sections"]["exactness"]
+    resumed = [r for r in result["sections"]["resume"] if r["identical"] is not None]
+    return {
+        "all_equal": exact["all_equal"], "compared": exact["compared"],
+        "resumed_identical_to_cold": all(r["identical"] for r in resumed) if resumed else None,
+        "resumed_vs_cold_ratios": [r["ratio"] for r in resumed],
+        "requests": len(suite.requests), "skipped": len(suite.skipped),
+    }
+
 
 def bench_all(model: str | None = None, out: str | Path = "bench-results/suite.json", quick: bool = False,
               report_dir: str | Path | None = None, contexts: Sequence[int] | None = None,
@@ -333,52 +381,22 @@ def bench_all(model: str | None = None, out: str | Path = "bench-results/suite.j
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the whole suite and write its JSON (and the report when `report_dir` is given)."""
     from agentfold.bench.summary import records, sections
-    from agentfold.engine.mlx.loader import load_model
-    from agentfold.serve.models import resolve
 
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    timestamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    result: dict[str, Any] = {**run_header(SCHEMA, timestamp, quick, machine_info()), "seed": seed,
+    result: dict[str, Any] = {**run_header(SCHEMA, utc_timestamp(), quick, machine_info()), "seed": seed,
                               "sampling": "greedy (temperature 0); drafted and serial requests identical otherwise"}
     contexts = tuple(sorted(set(contexts or (QUICK_CONTEXTS if quick else FULL_CONTEXTS))))
     suite = Suite(seed, quick, dtype, say)
-
-    main_path = resolve(model)
-    say(f"loading {main_path} in this process (tokenizer, weight bytes, baselines)")
-    loaded = load_model(main_path, dtype, say)
-    main = _model_entry(loaded, dtype, "main")
-    fits = [c for c in contexts if c + SESSION_ROOM <= main["context_length"]]
-    beyond = [c for c in contexts if c not in fits]
-    if not fits:
-        raise BenchError(f"none of the contexts {list(contexts)} fits {main['name']}'s {main['context_length']} tokens")
+    main_path, loaded, main, fits, beyond = _main_model(model, contexts, dtype, say)
     say("measuring copy bandwidth")
     bandwidth = copy_bandwidth(megabytes=128 if quick else 256, repeats=2 if quick else 4)
-
-    baselines = Baselines(main_path, loaded, dtype, quick, say)
-    try:
-        runner = suite.run_main(main_path, main, loaded.tokenizer, fits, baselines)
-    finally:
-        baselines.close()
-    if quick:
-        suite.skip("baselines on " + ", ".join(k for k in KINDS if k not in QUICK_BASELINES),
-                   "--quick runs the baselines on agent-edit's code turn only")
-    for key, reason in baselines.skipped.items():
-        suite.skip(f"baseline {key}", reason)
-    suite.skip("baseline mlx_lm_speculative", SPECULATIVE_SKIPPED)
-    suite.run_cold(main_path, main, runner, fits)
-    long = suite.run_long(long_model, main, beyond, fits) if beyond else None
-    if quick and not beyond:
-        suite.skip("4K and 16K contexts", "--quick measures the 1K context only")
-
+    long, baselines = suite.run_servers(main_path, loaded, main, fits, beyond, long_model)
     models = {"main": main, "long": long}
     result.update({
         "models": models,
         "contexts": {"requested": list(contexts), "main": fits, "long": list(beyond)},
-        "roofline": {**bandwidth, "note": "one full read of the weights per token at the measured copy bandwidth",
-                     "models": {m["name"]: {"bytes": m["bytes"], "tps": round(bandwidth["bandwidth_gbs"] * 1e9
-                                                                              / m["bytes"], 3)}
-                                for m in models.values() if m}},
+        "roofline": _roofline(bandwidth, models),
         "workloads": suite.workloads,
         "servers": suite.servers,
         "requests": suite.requests,
@@ -387,26 +405,12 @@ def bench_all(model: str | None = None, out: str | Path = "bench-results/suite.j
         "skipped": suite.skipped,
         "method": METHOD,
     })
-    if quick:  # the agent session (37 requests, a restart, a fresh server) adds minutes
-        result["agent"] = {"skipped": "quick: run `agentfold bench agent --quick` on its own"}
-    else:
-        from agentfold.bench.agent import bench_agent
-
-        try:
-            result["agent"] = bench_agent(str(main_path), None, seed=seed, dtype=dtype, progress=say)
-        except BenchError as error:
-            result["agent"] = {"error": str(error)}
+    result["agent"] = _agent_section(main_path, quick, seed, dtype, say)
     result["sections"] = sections(result)
     result["records"] = records(result)
-    exact = result["sections"]["exactness"]
-    resumed = [r for r in result["sections"]["resume"] if r["identical"] is not None]
-    result["summary"] = {
-        "all_equal": exact["all_equal"], "compared": exact["compared"],
-        "resumed_identical_to_cold": all(r["identical"] for r in resumed) if resumed else None,
-        "resumed_vs_cold_ratios": [r["ratio"] for r in resumed],
-        "requests": len(suite.requests), "skipped": len(suite.skipped),
-    }
+    result["summary"] = _summary(result, suite)
     finish_run(result, started, out)
+    exact = result["sections"]["exactness"]
     say(f"suite done in {result['duration_seconds']:.0f}s: {exact['compared']} drafted replies compared, "
         f"{'all equal to serial' if exact['all_equal'] else 'SOME DIFFER from serial'}")
     if report_dir is not None:

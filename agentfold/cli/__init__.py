@@ -64,6 +64,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"agentfold: error: {error}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

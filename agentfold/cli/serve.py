@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import socket
 from typing import Any
 
@@ -91,9 +92,10 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from agentfold.engine.factory import build_engine
+    from agentfold.http.app import build_app
     from agentfold.serve.models import resolve, verdict_file
     from agentfold.serve.scheduler import Runtime
-    from agentfold.serve.service import Service, build_app
+    from agentfold.serve.service import Service
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, not {args.port}")
@@ -119,15 +121,24 @@ def run(args: argparse.Namespace) -> int:
     service = Service(runtime, home=args.home, sessions=not args.no_sessions, audit_rate=args.audit_rate)
     app = build_app(service, api_key=args.api_key, default_max_tokens=args.default_max_tokens, host=args.host,
                     max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin)
-    keyed, args.api_key = bool(args.api_key), None  # only its hash is kept (server.auth)
+    keyed, args.api_key = bool(args.api_key), None  # only its hash is kept (serve.auth)
     progress(f"sessions and telemetry in {service.home}")
     progress(f"serving {name} (context {runtime.context_length}, {engine.exactness.describe()}) "
               f"on http://{args.host}:{args.port}  names: {', '.join(runtime.model_names)}")
     if keyed:
         progress("API key required on every route but /health")
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler found here: the
+    # default one would kill the process before the sessions flush and telemetry closes below.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                     timeout_graceful_shutdown=5)
     finally:
+        progress("stopping: writing pending session snapshots, closing telemetry")
         service.close()
     return 0
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM after uvicorn's graceful shutdown: unwind (so `finally` runs), exit 128 + signal."""
+    raise SystemExit(128 + signum)

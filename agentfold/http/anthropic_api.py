@@ -18,29 +18,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from agentfold.chat.plan import ChatPlan, check_schema, parse_tool_choice
 from agentfold.chat.template import render_chat
 from agentfold.chat.tool_calls import TextPiece
 from agentfold.chat.tools import ToolCall, ToolSpec
-from agentfold.http.common import (
-    SSE_HEADERS,
-    ApiError,
-    ChatPlan,
-    Outcome,
-    check_schema,
-    collect,
-    drive,
-    get_bool,
-    get_float,
-    get_int,
-    get_seed,
-    get_session_id,
-    get_stop,
-    get_str,
-    new_id,
-    parse_tool_choice,
-    prepare,
-    sse,
-)
+from agentfold.http.errors import ApiError
+from agentfold.http.fields import get_bool, get_float, get_int, get_seed, get_session_id, get_stop, get_str
+from agentfold.http.stream import SSE_HEADERS, Outcome, collect, drive, new_id, prepare, sse
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from agentfold.http import anthropic_api, auth, guard, openai_api, responses_api
-from agentfold.http.common import ApiError, read_json
-from agentfold.http.guard import DEFAULT_MAX_BODY_BYTES, GuardConfig
+from agentfold.chat.plan import PlanError
+from agentfold.http import anthropic_api, guard, openai_api, responses_api
+from agentfold.http.dashboard import dashboard_routes
+from agentfold.http.errors import ApiError
+from agentfold.http.fields import read_json
+from agentfold.http.guard import GuardConfig
+from agentfold.mcp.server import mount_mcp
+from agentfold.serve import auth
+from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES
 from agentfold.serve.scheduler import Runtime
+from agentfold.serve.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +86,8 @@ def _endpoint(server: Server, handler: Handler) -> Callable[[Request], Awaitable
             return await handler(server, request, body)
         except ApiError as error:
             return error_response(request.url.path, error)
+        except PlanError as error:  # found in the transport-neutral plan: a 400 here
+            return error_response(request.url.path, ApiError.from_plan(error))
         except Exception as error:  # a bug: log it, answer in the API's shape without a traceback
             log.exception("%s failed", request.url.path)
             return error_response(request.url.path, ApiError(f"Internal error: {type(error).__name__}: {error}",
@@ -101,6 +110,34 @@ def create_app(runtime: Runtime, api_key: str | None = None, default_max_tokens:
     server = Server(runtime, api_key, default_max_tokens, max_body_bytes)
     guard_config = GuardConfig(host=host, api_key=server.api_key, max_body_bytes=max_body_bytes,
                                cors_origins=tuple(cors_origins))
+    routes = [*_api_routes(server), *_info_routes(server), *extra_routes]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error},
+                    middleware=guard.middleware(guard_config, error_response), lifespan=lifespan)
+    app.state.server = server
+    app.state.runtime = runtime
+    return app
+
+
+def _api_routes(server: Server) -> list[BaseRoute]:
+    """The POST endpoints of the three APIs, each also without its /v1 prefix (base URLs without /v1)."""
+    post = {
+        "/v1/chat/completions": openai_api.chat_completions,
+        "/v1/completions": openai_api.completions,
+        "/v1/responses": responses_api.responses,
+        "/v1/messages": anthropic_api.messages,
+        "/v1/messages/count_tokens": anthropic_api.count_tokens,
+    }
+    routes: list[BaseRoute] = []
+    for path, handler in post.items():
+        run = _endpoint(server, handler)
+        routes.append(Route(path, run, methods=["POST"]))
+        routes.append(Route(path.removeprefix("/v1"), run, methods=["POST"]))
+    return routes
+
+
+def _info_routes(server: Server) -> list[BaseRoute]:
+    """The GET routes: the model list (OpenAI, Anthropic and Codex shapes), one model, /health and /."""
+    runtime = server.runtime
 
     async def models(request: Request) -> Response:
         return JSONResponse(openai_api.models(server))
@@ -127,45 +164,48 @@ def create_app(runtime: Runtime, api_key: str | None = None, default_max_tokens:
                              "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses",
                                            "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/health"]})
 
-    post = {
-        "/v1/chat/completions": openai_api.chat_completions,
-        "/v1/completions": openai_api.completions,
-        "/v1/responses": responses_api.responses,
-        "/v1/messages": anthropic_api.messages,
-        "/v1/messages/count_tokens": anthropic_api.count_tokens,
-    }
-    routes: list[BaseRoute] = []
-    for path, handler in post.items():
-        run = _endpoint(server, handler)
-        routes.append(Route(path, run, methods=["POST"]))
-        routes.append(Route(path.removeprefix("/v1"), run, methods=["POST"]))  # base URLs without /v1
-    routes += [
+    return [
         Route("/v1/models", models, methods=["GET"]),
         Route("/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/", root, methods=["GET", "HEAD"]),
-        *extra_routes,
     ]
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        status = getattr(exc, "status_code", 500)
-        if status == 404:
-            message = f"No route {request.method} {request.url.path} on this server."
-        elif status == 405:
-            message = f"{request.method} is not allowed on {request.url.path}."
-        else:
-            message = getattr(exc, "detail", None) or "HTTP error"
-        return error_response(request.url.path, ApiError(message, status=status,
-                                                         type="invalid_request_error" if status < 500 else "server_error",
-                                                         code="not_found" if status == 404 else None))
 
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s: %r", request.url.path, exc)
-        return error_response(request.url.path, ApiError("Internal server error.", status=500, type="server_error"))
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 / 405 (and other HTTPExceptions) in the API's own error shape."""
+    status = getattr(exc, "status_code", 500)
+    if status == 404:
+        message = f"No route {request.method} {request.url.path} on this server."
+    elif status == 405:
+        message = f"{request.method} is not allowed on {request.url.path}."
+    else:
+        message = getattr(exc, "detail", None) or "HTTP error"
+    return error_response(request.url.path, ApiError(message, status=status,
+                                                     type="invalid_request_error" if status < 500 else "server_error",
+                                                     code="not_found" if status == 404 else None))
 
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error},
-                    middleware=guard.middleware(guard_config, error_response), lifespan=lifespan)
-    app.state.server = server
-    app.state.runtime = runtime
-    return app
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s: %r", request.url.path, exc)
+    return error_response(request.url.path, ApiError("Internal server error.", status=500, type="server_error"))
+
+
+def build_app(service: Service, api_key: str | None = None, default_max_tokens: int | None = None,
+              host: str = "127.0.0.1", max_body_bytes: int | None = None, cors_origins: Sequence[str] = ()) -> Starlette:
+    """The HTTP app of a service: the APIs, `/metrics` (Prometheus), `/dashboard` and MCP at `/mcp`.
+
+    `host`, `api_key`, `max_body_bytes` and `cors_origins` apply to every route (see `guard`).
+    """
+    limit = max_body_bytes or DEFAULT_MAX_BODY_BYTES
+
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    mcp_routes, lifespan = mount_mcp(service, api_key=api_key, host=host, max_body_bytes=limit,
+                                     cors_origins=cors_origins)
+    return create_app(service.runtime, api_key=api_key, default_max_tokens=default_max_tokens,
+                      extra_routes=[Route("/metrics", metrics, methods=["GET"]), *dashboard_routes(service.telemetry),
+                                    *mcp_routes], lifespan=lifespan, host=host, max_body_bytes=limit,
+                      cors_origins=cors_origins)

@@ -8,7 +8,7 @@
 - **API key**: with a key configured, everything but `/health` needs it (`/mcp`, `/metrics` and
   `/dashboard` included).
 - **Body size**: a declared `Content-Length` over the limit is a 413 before a byte is read;
-  bodies without one are counted while read (`common.read_json`, and the SDK's own limit on /mcp).
+  bodies without one are counted while read (`fields.read_json`, and the SDK's own limit on /mcp).
 
 Answers are in the API's own error shape (`on_error(path, ApiError)`), so clients show the message.
 CORS is off unless origins are given: then Starlette's CORSMiddleware answers preflights for them.
@@ -26,8 +26,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from agentfold.http.auth import KEY_HINT, ApiKey
-from agentfold.http.common import ApiError
+from agentfold.http.errors import ApiError
+from agentfold.serve.auth import KEY_HINT, ApiKey
 from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES, is_loopback
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "Guard", "GuardConfig", "check", "is_loopback", "middleware"]

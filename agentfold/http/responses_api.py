@@ -15,31 +15,20 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from agentfold.chat.plan import ChatPlan, check_schema, parse_tool_choice
 from agentfold.chat.tool_calls import TextPiece
 from agentfold.chat.tools import ToolCall, ToolSpec
-from agentfold.http.common import (
-    SSE_HEADERS,
-    ApiError,
-    ChatPlan,
-    Outcome,
-    check_schema,
-    collect,
-    drive,
-    get_bool,
-    get_int,
-    get_str,
-    new_id,
-    now,
-    parse_tool_choice,
-    prepare,
-    sse,
-)
+from agentfold.http.errors import ApiError
+from agentfold.http.fields import get_bool, get_int, get_str
 from agentfold.http.openai_api import common_fields, content_text, parse_response_format
+from agentfold.http.stream import SSE_HEADERS, Outcome, collect, drive, new_id, now, prepare, sse
+from agentfold.serve.chat_turn import PreparedTurn
 from agentfold.sessions.ids import session_id_for_key
 
 log = logging.getLogger(__name__)
@@ -149,7 +138,8 @@ def _tool_choice(value: Any, tools: list[ToolSpec]) -> str | dict[str, str]:
     return parse_tool_choice(value, tools)
 
 
-async def responses(server, request: Request, body: dict[str, Any]):
+def responses_plan(body: dict[str, Any], request: Request) -> tuple[ChatPlan, set[str]]:
+    """The request as a chat plan, and the names of its custom (free-form) tools."""
     instructions = get_str(body, "instructions")
     tools, custom = parse_tools(body.get("tools"))
     plan = ChatPlan(messages=parse_input(body.get("input"), instructions), tools=tools)
@@ -166,16 +156,29 @@ async def responses(server, request: Request, body: dict[str, Any]):
     plan.session_id = plan.session_id or (session_id_for_key(cache_key) if cache_key else None)
     if not plan.messages:
         plan.messages = [{"role": "user", "content": ""}]  # Codex probes with empty input
+    return plan, custom
 
-    prepared = prepare(server.runtime, plan, "responses", request, server.default_max_tokens)
-    model = plan.model or server.runtime.model_id
-    resp_id, created = new_id("resp_"), now()
-    metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
 
-    def response_obj(status: str, output: list[dict[str, Any]], outcome: Outcome | None = None) -> dict[str, Any]:
+@dataclass
+class ResponseShape:
+    """What every Responses object of one reply carries (its id, the request's echo) and its item builders."""
+
+    body: dict[str, Any]
+    plan: ChatPlan
+    custom: set[str]  # custom tools: their calls are `custom_tool_call` items
+    model: str
+    instructions: str | None
+    resp_id: str = field(default_factory=lambda: new_id("resp_"))
+    created: int = field(default_factory=now)
+
+    def response(self, status: str, output: list[dict[str, Any]], outcome: Outcome | None = None) -> dict[str, Any]:
+        """The `response` object, with usage and telemetry once the turn has its Outcome."""
+        body, plan = self.body, self.plan
+        metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
         obj: dict[str, Any] = {
-            "id": resp_id, "object": "response", "created_at": created, "status": status, "model": model,
-            "output": output, "error": None, "incomplete_details": None, "instructions": instructions,
+            "id": self.resp_id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "error": None, "incomplete_details": None,
+            "instructions": self.instructions,
             "max_output_tokens": plan.max_tokens, "parallel_tool_calls": plan.parallel_tool_calls,
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "temperature": plan.temperature, "top_p": plan.top_p, "metadata": metadata,
@@ -195,100 +198,136 @@ async def responses(server, request: Request, body: dict[str, Any]):
             obj["agentfold"] = outcome.agentfold
         return obj
 
+    @staticmethod
     def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+        """An assistant `message` item (its content only once completed)."""
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
         return {"type": "message", "id": item_id or new_id("msg_"), "status": status, "role": "assistant",
                 "content": content}
 
-    def call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    def call_item(self, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+        """A `function_call` item, or a `custom_tool_call` carrying the free-form `input` text."""
         call.id = call.id or new_id("call_")
-        if call.name in custom:
+        if call.name in self.custom:
             text = call.arguments_obj.get("input", "")
             return {"type": "custom_tool_call", "id": new_id("ctc_"), "call_id": call.id, "name": call.name,
                     "input": text if isinstance(text, str) else str(text), "status": status}
         return {"type": "function_call", "id": new_id("fc_"), "call_id": call.id, "name": call.name,
                 "arguments": call.arguments, "status": status}
 
+
+async def responses(server: Any, request: Request, body: dict[str, Any]) -> Response:
+    """`POST /v1/responses`: one JSON response, or its event stream ending in `response.completed`."""
+    plan, custom = responses_plan(body, request)
+    prepared = prepare(server.runtime, plan, "responses", request, server.default_max_tokens)
+    shape = ResponseShape(body, plan, custom, plan.model or server.runtime.model_id, get_str(body, "instructions"))
     if not plan.stream:
         outcome = await collect(server.runtime, prepared, request)
-        output = [message_item(outcome.content)] if outcome.content or not outcome.calls else []
-        output += [call_item(call) for call in outcome.calls]
-        return JSONResponse(response_obj("completed", output, outcome))
+        output = [shape.message_item(outcome.content)] if outcome.content or not outcome.calls else []
+        output += [shape.call_item(call) for call in outcome.calls]
+        return JSONResponse(shape.response("completed", output, outcome))
+    return StreamingResponse(_events(server, prepared, request, shape), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
 
-    async def events() -> AsyncIterator[str]:
-        seq = itertools.count()
-        output: list[dict[str, Any]] = []
-        open_message: dict[str, Any] | None = None
-        text_parts: list[str] = []
 
-        def event(kind: str, **fields: Any) -> str:
-            return sse({"type": kind, "sequence_number": next(seq), **fields}, event=kind)
+class _ResponseStream:
+    """The event sequence of one streamed reply: numbered events, the output items so far."""
 
-        def close_message() -> list[str]:
-            nonlocal open_message
-            if open_message is None:
-                return []
-            index, item_id, text = len(output), open_message["id"], "".join(text_parts)
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            done = message_item(text, item_id=item_id)
-            output.append(done)
-            open_message = None
-            return [event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                          text=text, logprobs=[]),
-                    event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                          part=part),
-                    event("response.output_item.done", output_index=index, item=done)]
+    def __init__(self, shape: ResponseShape) -> None:
+        self.shape = shape
+        self.seq = itertools.count()
+        self.output: list[dict[str, Any]] = []
+        self.open_message: dict[str, Any] | None = None
+        self.text_parts: list[str] = []
 
-        yield event("response.created", response=response_obj("in_progress", []))
-        yield event("response.in_progress", response=response_obj("in_progress", []))
-        try:
-            async for item in drive(server.runtime, prepared, request):
-                if isinstance(item, TextPiece):
-                    if open_message is None:
-                        open_message = message_item("", "in_progress")
-                        text_parts.clear()
-                        yield event("response.output_item.added", output_index=len(output), item=open_message)
-                        yield event("response.content_part.added", item_id=open_message["id"],
-                                    output_index=len(output), content_index=0,
-                                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-                    text_parts.append(item.text)
-                    yield event("response.output_text.delta", item_id=open_message["id"], output_index=len(output),
-                                content_index=0, delta=item.text, logprobs=[])
-                elif isinstance(item, ToolCall):
-                    for line in close_message():
-                        yield line
-                    done = call_item(item)
-                    index = len(output)
-                    started = {**done, "status": "in_progress"}
-                    custom_call = done["type"] == "custom_tool_call"
-                    if custom_call:
-                        started["input"] = ""
-                    else:
-                        started["arguments"] = ""
-                    yield event("response.output_item.added", output_index=index, item=started)
-                    if custom_call:
-                        yield event("response.custom_tool_call_input.delta", item_id=done["id"], output_index=index,
-                                    delta=done["input"])
-                        yield event("response.custom_tool_call_input.done", item_id=done["id"], output_index=index,
-                                    input=done["input"])
-                    else:
-                        yield event("response.function_call_arguments.delta", item_id=done["id"],
-                                    output_index=index, delta=done["arguments"])
-                        yield event("response.function_call_arguments.done", item_id=done["id"],
-                                    output_index=index, name=done["name"], arguments=done["arguments"])
-                    output.append(done)
-                    yield event("response.output_item.done", output_index=index, item=done)
-                else:
-                    for line in close_message():
-                        yield line
-                    yield event("response.completed", response=response_obj("completed", output, item))
-        except Exception as error:
-            status_error = error if isinstance(error, ApiError) else None
-            if status_error is None:
-                log.exception("responses stream failed")
-            failed = response_obj("failed", output)
-            failed["error"] = {"code": (status_error.code if status_error else None) or "server_error",
-                               "message": status_error.message if status_error else f"generation failed: {error}"}
-            yield event("response.failed", response=failed)
+    def event(self, kind: str, **fields: Any) -> str:
+        return sse({"type": kind, "sequence_number": next(self.seq), **fields}, event=kind)
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    def text(self, piece: TextPiece) -> list[str]:
+        """Content text: opens a message item (and its text part) on the first piece."""
+        lines = []
+        if self.open_message is None:
+            self.open_message = self.shape.message_item("", "in_progress")
+            self.text_parts.clear()
+            lines.append(self.event("response.output_item.added", output_index=len(self.output),
+                                    item=self.open_message))
+            lines.append(self.event("response.content_part.added", item_id=self.open_message["id"],
+                                    output_index=len(self.output), content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        self.text_parts.append(piece.text)
+        lines.append(self.event("response.output_text.delta", item_id=self.open_message["id"],
+                                output_index=len(self.output), content_index=0, delta=piece.text, logprobs=[]))
+        return lines
+
+    def close_message(self) -> list[str]:
+        """Finish the open message item, if any: its text, part and item `done` events."""
+        if self.open_message is None:
+            return []
+        index, item_id, text = len(self.output), self.open_message["id"], "".join(self.text_parts)
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        done = self.shape.message_item(text, item_id=item_id)
+        self.output.append(done)
+        self.open_message = None
+        return [self.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                           text=text, logprobs=[]),
+                self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                           part=part),
+                self.event("response.output_item.done", output_index=index, item=done)]
+
+    def tool_call(self, call: ToolCall) -> list[str]:
+        """A settled call as one item: added, its whole arguments (or input) as one delta, done."""
+        lines = self.close_message()
+        done = self.shape.call_item(call)
+        index = len(self.output)
+        started = {**done, "status": "in_progress"}
+        custom_call = done["type"] == "custom_tool_call"
+        if custom_call:
+            started["input"] = ""
+        else:
+            started["arguments"] = ""
+        lines.append(self.event("response.output_item.added", output_index=index, item=started))
+        if custom_call:
+            lines.append(self.event("response.custom_tool_call_input.delta", item_id=done["id"], output_index=index,
+                                    delta=done["input"]))
+            lines.append(self.event("response.custom_tool_call_input.done", item_id=done["id"], output_index=index,
+                                    input=done["input"]))
+        else:
+            lines.append(self.event("response.function_call_arguments.delta", item_id=done["id"],
+                                    output_index=index, delta=done["arguments"]))
+            lines.append(self.event("response.function_call_arguments.done", item_id=done["id"],
+                                    output_index=index, name=done["name"], arguments=done["arguments"]))
+        self.output.append(done)
+        lines.append(self.event("response.output_item.done", output_index=index, item=done))
+        return lines
+
+    def completed(self, outcome: Outcome) -> list[str]:
+        return [*self.close_message(),
+                self.event("response.completed", response=self.shape.response("completed", self.output, outcome))]
+
+    def failed(self, error: Exception) -> str:
+        """`response.failed` with the error's code and message (an ApiError's own, else server_error)."""
+        status_error = error if isinstance(error, ApiError) else None
+        if status_error is None:
+            log.exception("responses stream failed")
+        failed = self.shape.response("failed", self.output)
+        failed["error"] = {"code": (status_error.code if status_error else None) or "server_error",
+                           "message": status_error.message if status_error else f"generation failed: {error}"}
+        return self.event("response.failed", response=failed)
+
+
+async def _events(server: Any, prepared: PreparedTurn, request: Request, shape: ResponseShape) -> AsyncIterator[str]:
+    stream = _ResponseStream(shape)
+    yield stream.event("response.created", response=shape.response("in_progress", []))
+    yield stream.event("response.in_progress", response=shape.response("in_progress", []))
+    try:
+        async for item in drive(server.runtime, prepared, request):
+            if isinstance(item, TextPiece):
+                lines = stream.text(item)
+            elif isinstance(item, ToolCall):
+                lines = stream.tool_call(item)
+            else:
+                lines = stream.completed(item)
+            for line in lines:
+                yield line
+    except Exception as error:
+        yield stream.failed(error)

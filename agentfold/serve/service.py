@@ -23,7 +23,6 @@ import random
 import shutil
 import sqlite3
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -184,29 +183,3 @@ class Service:
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
-
-def build_app(service: Service, api_key: str | None = None, default_max_tokens: int | None = None,
-              host: str = "127.0.0.1", max_body_bytes: int | None = None, cors_origins: Sequence[str] = ()) -> Any:
-    """The HTTP app of a service: the APIs, `/metrics` (Prometheus), `/dashboard` and MCP at `/mcp`.
-
-    `host`, `api_key`, `max_body_bytes` and `cors_origins` apply to every route (see server.guard).
-    """
-    from starlette.responses import Response
-    from starlette.routing import Route
-
-    from agentfold.http.app import create_app
-    from agentfold.http.dashboard import dashboard_routes
-    from agentfold.http.guard import DEFAULT_MAX_BODY_BYTES
-    from agentfold.mcp.server import mount_mcp
-
-    limit = max_body_bytes or DEFAULT_MAX_BODY_BYTES
-
-    async def metrics(request: Any) -> Response:
-        return Response(service.metrics.render(), media_type=service.metrics.content_type)
-
-    mcp_routes, lifespan = mount_mcp(service, api_key=api_key, host=host, max_body_bytes=limit,
-                                     cors_origins=cors_origins)
-    return create_app(service.runtime, api_key=api_key, default_max_tokens=default_max_tokens,
-                      extra_routes=[Route("/metrics", metrics, methods=["GET"]), *dashboard_routes(service.telemetry),
-                                    *mcp_routes], lifespan=lifespan, host=host, max_body_bytes=limit,
-                      cors_origins=cors_origins)

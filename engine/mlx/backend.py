@@ -11,7 +11,7 @@ serial decoding reaches.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -69,17 +69,28 @@ class MLXBackend:
 
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`; logits are never computed."""
-        if not tokens:
-            return
         start = cache.length
         end = start + len(tokens)
-        cuts = sorted({b for b in boundaries if start < b < end} | {end})
         offset = start
-        for cut in cuts:
-            self._run(tokens[offset - start : cut - start], cache)
-            mx.eval([layer.state for layer in cache.layers])
+        for cut in sorted({b for b in boundaries if start < b < end} | {end}):
+            for _ in self.prefill_steps(tokens[offset - start : cut - start], cache):
+                pass
             offset = cut
 
+    def prefill_steps(self, tokens: Sequence[int], cache: CacheState) -> Iterator[None]:
+        """Append one chunk of `tokens`, evaluating one layer's cache per step and yielding between.
+
+        The chunk's graph is built lazily in one call; evaluating layer i's keys and values runs
+        the layers up to it, so each step adds about one layer of work, and a scheduler can run
+        other replies' passes in between. Evaluation order does not change what an array holds.
+        Closed early, the cache is still whole: its remaining arrays are lazy and compute on use.
+        """
+        if not tokens:
+            return
+        self._run(tokens, cache)  # graph only: nothing is computed yet, the logits never are
+        for layer in cache.layers:
+            mx.eval(layer.state)
+            yield
     def checkpoint(self, cache: CacheState) -> Checkpoint:
         return Checkpoint(cache.length, {i: _copy_state(cache.layers[i].state) for i in self.recurrent_layers})
 

@@ -10,7 +10,7 @@ Row-exactness comes from the kernels `torch.models.ops` dispatches to for the we
 from __future__ import annotations
 
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from agentfold.engine.protocol import CacheState, Checkpoint
 from agentfold.engine.torch.models import ops, quantize
 from agentfold.kernels import torch_cpu
 
+_DONE = object()  # what `next` gives once a chunk's layers have all run
 
 class TorchBackend:
     """Runs a `torch.models` model on CPU or CUDA under inference mode."""
@@ -76,10 +77,26 @@ class TorchBackend:
         end = start + len(tokens)
         offset = start
         for cut in sorted({b for b in boundaries if start < b < end} | {end}):
-            if cut > offset:
-                with torch_cpu.prefill_chunk():  # logits unread: batched kernels at any width
-                    self._run(tokens[offset - start : cut - start], cache, logits=False)
+            for _ in self.prefill_steps(tokens[offset - start : cut - start], cache):
+                pass
             offset = cut
+
+    def prefill_steps(self, tokens: Sequence[int], cache: CacheState) -> Iterator[None]:
+        """Append one chunk of `tokens`, yielding after each decoder layer; the cache holds the
+        chunk once the iterator is exhausted (closed early, it is unchanged: rows past its length
+        are never read). Each step runs under the prefill kernels and only that step, so whatever
+        runs between the steps (another reply's verify pass) keeps its own row-exact kernels."""
+        if not tokens:
+            return
+        ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
+        steps = self.model.layer_steps(ids, cache.layers, cache.length)
+        while True:
+            with torch.inference_mode(), torch_cpu.prefill_chunk():  # logits unread: batched kernels at any width
+                step = next(steps, _DONE)
+            if step is _DONE:
+                break
+            yield
+        cache.tokens.extend(int(t) for t in tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

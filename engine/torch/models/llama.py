@@ -13,6 +13,7 @@ SmolLM2 ties the output head to the embedding.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,6 +250,19 @@ class Transformer(nn.Module):
         self.rope = Rope(args.head_dim, args.rope_theta)
         self.head_int8: Int8Weight | None = None  # the output head as int8 (tied heads too)
 
+    def layer_steps(self, tokens: torch.Tensor, cache: list[LayerCache], start: int,
+                    final: list[torch.Tensor] | None = None) -> Iterator[None]:
+        """The decoder layers over tokens [m] one at a time, yielding after each (the last hidden
+        state goes to `final`): a scheduler can run other work between the layers of a prefill.
+        The arithmetic is `forward`'s own: it runs through this too."""
+        h = self.model.embed_tokens(tokens)
+        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
+        for layer, layer_cache in zip(self.model.layers, cache, strict=True):
+            h = layer(h, layer_cache, start, positions, self.rope)
+            yield
+        if final is not None:
+            final.append(h)
+
     def make_cache(self) -> list[LayerCache]:
         weight = self.model.embed_tokens.weight
         return [LayerCache(self.args.num_key_value_heads, self.args.head_dim, weight.dtype, weight.device)
@@ -257,12 +271,12 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: list[LayerCache], start: int,
                 logits: bool = True) -> torch.Tensor | None:
         """Logits [m, vocab] (float32) of tokens [m] at positions start..start+m; None if not `logits`."""
-        h = self.model.embed_tokens(tokens)
-        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
-        for layer, layer_cache in zip(self.model.layers, cache, strict=True):
-            h = layer(h, layer_cache, start, positions, self.rope)
+        final: list[torch.Tensor] = []
+        for _ in self.layer_steps(tokens, cache, start, final):
+            pass
         if not logits:
             return None
+        h = final[0]
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         if self.head_int8 is not None:
             head = self.head_int8

@@ -1,17 +1,21 @@
-"""The telemetry blocks a response carries: llama.cpp-style `timings` and the `agentfold` block.
+"""A finished turn as the clients see it: its `TurnRecord`, the response telemetry blocks, the outcome hook.
 
-Both come from one `TurnRecord` (agentfold.serve.telemetry), so the response, the SQLite row and
-`/metrics` show the same figures. If an `after_turn` hook already built the turn's record it is
-put in `turn.record` and used as is; otherwise one is built here from the engine's
-`DecodeStats` and the runtime's clocks. This is the one function to swap when telemetry changes.
+The HTTP APIs and the MCP server both report a turn through here, so a response body, an MCP
+tool result, the SQLite row and `/metrics` show the same figures. If an `after_turn` hook already
+built the turn's record it is put in `turn.record` and used as is; otherwise one is built here
+from the engine's `DecodeStats` and the runtime's clocks. This is the one place to change when
+telemetry changes.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from agentfold.serve.scheduler import Runtime, Turn
 from agentfold.serve.telemetry import TurnRecord, timings
+
+log = logging.getLogger(__name__)
 
 
 def turn_record(turn: Turn, runtime: Runtime) -> TurnRecord:
@@ -33,7 +37,7 @@ def turn_record(turn: Turn, runtime: Runtime) -> TurnRecord:
 
 
 def turn_blocks(turn: Turn, runtime: Runtime) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(`timings`, `agentfold`) for the last chunk / body of a response."""
+    """(llama.cpp-style `timings`, the `agentfold` block) for the last chunk / body of a response."""
     record = turn_record(turn, runtime)
     block = {
         "turn_id": record.turn_id,
@@ -59,3 +63,13 @@ def turn_blocks(turn: Turn, runtime: Runtime) -> tuple[dict[str, Any], dict[str,
         "mismatch_position": turn.mismatch_position,
     }
     return timings(record), block
+
+
+def report_outcome(runtime: Runtime, turn: Turn, finish: str, tool_calls: int) -> None:
+    """The API-level outcome to the `after_response` hook (the turn's one telemetry write)."""
+    turn.finish_reason, turn.tool_calls = finish, tool_calls
+    if runtime.after_response is not None:
+        try:
+            runtime.after_response(turn)
+        except Exception:  # telemetry must never cost the client its reply
+            log.exception("after_response hook failed for %s", turn.id)

@@ -1,4 +1,4 @@
-"""API keys: kept only as a sha256 digest, compared in constant time.
+"""API keys, shared by the HTTP APIs and MCP: kept only as a sha256 digest, compared in constant time.
 
 Hashing first means the comparison always runs over 32 bytes whatever the offered key's length,
 so neither the key's length nor its prefix leaks through timing, and the plain key does not sit

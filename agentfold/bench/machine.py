@@ -1,0 +1,156 @@
+"""What every bench record says about the run itself: the machine, the versions, the load, the time.
+
+A tokens-per-second figure is only comparable with another taken on a known machine under a known
+load, so every bench JSON (decode, sessions, agent, suite, offload, quality) opens with the same
+header (`run_header`) and is closed by the same step (`finish_run`: the load average at the end,
+the duration, the file written). The copy bandwidth measured here is the roofline's numerator.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import agentfold
+from agentfold.kernels import blas
+
+
+def utc_timestamp() -> str:
+    """Now, in UTC, to the second (ISO 8601): the `timestamp` of a bench record."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the platform has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _processor() -> str:
+    processor = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return processor
+
+
+def machine_info() -> dict[str, Any]:
+    """Platform, processor, cores usable by this process, memory, threads and the starting load."""
+    memory = None
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    from agentfold.engine.backend_choice import cpu_model
+
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": _processor(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "memory_bytes": memory,
+        "memory_gb": round(memory / 2**30, 2) if memory else None,
+        "threads": thread_info(),
+        "loadavg_start": loadavg(),
+    }
+
+
+def thread_info(backend: Any | None = None) -> dict[str, Any]:
+    """Threads each library decodes with here (they share the same few cores), and the environment
+    variables that set them; `backend` is the count the chosen backend runs with."""
+    torch_threads = None
+    if "torch" in sys.modules:
+        torch_threads = int(sys.modules["torch"].get_num_threads())
+    openblas = None
+    if blas.current().path and blas.current().name == "openblas":
+        import ctypes
+
+        try:
+            openblas = int(ctypes.CDLL(blas.current().path).openblas_get_num_threads())
+        except (OSError, AttributeError):
+            openblas = None
+    env = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    chosen = None
+    if backend is not None:
+        chosen = torch_threads if getattr(backend, "name", None) == "torch" else openblas
+    return {"backend": chosen, "torch": torch_threads, "openblas": openblas,
+            "env": {k: v for k, v in env.items() if v is not None}}
+
+
+def versions() -> dict[str, str | None]:
+    """Python and the libraries whose versions decide a bench's numbers."""
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    import mlx.core as mx
+    import numpy as np
+
+    return {
+        "python": platform.python_version(),
+        "mlx": getattr(mx, "__version__", installed("mlx")),
+        "mlx_lm": installed("mlx-lm"),
+        "agentfold": agentfold.__version__,
+        "numpy": np.__version__,
+        "transformers": installed("transformers"),
+    }
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 3) -> dict[str, Any]:
+    """Best-of-`repeats` numpy copy of a `megabytes` array; bytes moved = read + write (STREAM copy)."""
+    import numpy as np
+
+    src = np.ones(megabytes * (1 << 20) // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in before timing
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - began)
+    moved = 2 * src.nbytes
+    del src, dst
+    return {
+        "method": "numpy copyto, one thread, read + write bytes counted",
+        "array_mb": megabytes,
+        "repeats": repeats,
+        "best_seconds": round(best, 5),
+        "bandwidth_gbs": round(moved / best / 1e9, 3),
+    }
+
+
+def run_header(schema: str, timestamp: str, quick: bool, machine: dict[str, Any]) -> dict[str, Any]:
+    """What every bench JSON starts with: schema, time, machine, versions and BLAS."""
+    return {"schema": schema, "timestamp": timestamp, "duration_seconds": None, "quick": quick,
+            "machine": machine, "versions": versions(), "blas": blas.current().describe()}
+
+
+def finish_run(result: dict[str, Any], started: float, out: str | Path) -> None:
+    """Close a bench record (end load average, duration) and write it as JSON to `out`."""
+    result["machine"]["loadavg_end"] = loadavg()
+    result["duration_seconds"] = round(time.perf_counter() - started, 3)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")

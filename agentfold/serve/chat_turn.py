@@ -1,0 +1,118 @@
+"""From a chat plan to a `TurnRequest` on one runtime: render, tokenize, cut, size.
+
+This is the part of answering a chat request that needs the runtime (its tokenizer, chat
+template and context length) but nothing of the transport, so the HTTP APIs and the MCP server
+render and cut a conversation the same way: a session resumed over one restores the snapshots
+the other left. Problems the client must fix are `PlanError`s (agentfold.chat.plan) that each
+transport answers in its own shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentfold.chat.cuts import memo_for, message_cuts, tools_salt
+from agentfold.chat.plan import ChatPlan, PlanError, checked_grammar, plan_instructions, sampling
+from agentfold.chat.template import render_chat
+from agentfold.chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from agentfold.engine.decode import GenerationConfig
+from agentfold.serve.scheduler import Runtime, TurnRequest
+
+
+@dataclass
+class PreparedTurn:
+    """A plan rendered for the model: the TurnRequest plus how to read the model's output."""
+
+    request: TurnRequest
+    tools_enabled: bool
+    prefix: str  # output the prompt forced (parsed as if the model wrote it)
+    user_stops: list[str]
+    prompt_tokens: int
+
+
+def plan_cuts(runtime: Runtime, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
+              prompt: Sequence[int]) -> list[int]:
+    """Prefill cuts at each assistant message's start and this reply's, as the chat renders them.
+
+    Prefixes already rendered for an earlier turn of the conversation come from the runtime's memo.
+    """
+    return message_cuts(
+        memo_for(runtime),
+        lambda head: runtime.encode(render_chat(runtime.tokenizer, head, tools, add_generation_prompt=False)),
+        messages, prompt, tools_salt(tools))
+
+
+def _raw_prompt_ids(runtime: Runtime, raw_prompt: str | list[int]) -> list[int]:
+    """/v1/completions-style prompts: text encoded as is, or token ids taken as given."""
+    if isinstance(raw_prompt, str):
+        prompt = runtime.encode(raw_prompt) if raw_prompt else []
+    else:
+        prompt = list(raw_prompt)
+    if not prompt:
+        raise PlanError("'prompt' is empty; send some text.", param="prompt")
+    return prompt
+
+
+def _chat_prompt(runtime: Runtime, plan: ChatPlan, tools_enabled: bool) -> tuple[list[int], list[int], list[str]]:
+    """The rendered conversation's ids, its prefill cuts and the stops the tool choice needs."""
+    messages = list(plan.messages)
+    note = plan_instructions(plan)  # after the shared history, outside it: the next turn reuses the cache
+    try:
+        text = render_chat(runtime.tokenizer, messages, plan.tools or None, trailing=note or None)
+    except Exception as error:  # jinja errors of the model's own template
+        raise PlanError(f"The model's chat template cannot render these messages: {error}") from error
+    internal_stops: list[str] = []
+    if tools_enabled and (isinstance(plan.tool_choice, dict) or not plan.parallel_tool_calls):
+        internal_stops.append(TOOL_CALL_CLOSE)  # one call wanted: stop as soon as it is written
+    if plan.tools and plan.tool_choice == "none":
+        internal_stops.append(TOOL_CALL_OPEN)
+    prompt = runtime.encode(text)
+    return prompt, plan_cuts(runtime, messages, plan.tools or None, prompt), internal_stops
+
+
+def _reply_budget(plan: ChatPlan, prompt_tokens: int, limit: int, default_max_tokens: int | None) -> int:
+    """The reply's token budget within the context; a prompt or budget that does not fit is a PlanError."""
+    if prompt_tokens >= limit:
+        raise PlanError(
+            f"This model's maximum context length is {limit} tokens, but the prompt is {prompt_tokens} tokens. "
+            "Shorten the messages.", code="context_length_exceeded", param="messages")
+    room = limit - prompt_tokens
+    max_tokens = plan.max_tokens
+    if max_tokens is None:
+        return min(room, default_max_tokens) if default_max_tokens else room
+    if prompt_tokens + max_tokens > limit:
+        raise PlanError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion). "
+            f"Reduce the length of the messages or '{plan.max_tokens_param}' (at most {room} here).",
+            code="context_length_exceeded", param=plan.max_tokens_param)
+    return max_tokens
+
+
+def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
+                 default_max_tokens: int | None = None) -> PreparedTurn:
+    """Render, tokenize and size a plan; a prompt that does not fit is a PlanError naming the limit.
+
+    `api` and `client` label the turn's telemetry row; `default_max_tokens` caps a reply whose
+    plan names no budget (else it may fill the context).
+    """
+    params = sampling(plan)
+    tools_enabled = bool(plan.tools) and plan.tool_choice != "none" and plan.raw_prompt is None
+    if plan.raw_prompt is not None:
+        prompt, cuts, internal_stops = _raw_prompt_ids(runtime, plan.raw_prompt), [], []
+    else:
+        prompt, cuts, internal_stops = _chat_prompt(runtime, plan, tools_enabled)
+    max_tokens = _reply_budget(plan, len(prompt), runtime.context_length, default_max_tokens)
+    prefix = ""
+    config = GenerationConfig(params=params, max_tokens=max_tokens,
+                              stop=tuple(dict.fromkeys([*plan.stop, *internal_stops])), draft=plan.draft,
+                              grammar=checked_grammar(plan) if plan.raw_prompt is None else None)
+    turn_request = TurnRequest(
+        prompt=prompt, config=config, api=api, client=client,
+        session_id=plan.session_id, audit=plan.audit, model=plan.model,
+        cuts=cuts, outcome_follows=True,
+        meta={"prefix": prefix, "tools": [t.name for t in plan.tools], "stream": plan.stream},
+    )
+    return PreparedTurn(turn_request, tools_enabled, prefix, list(plan.stop), len(prompt))
