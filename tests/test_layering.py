@@ -1,8 +1,10 @@
-"""Imports only point down the layers: `agentfold -> sessions -> engine -> kernels`.
+"""Imports only point down the rooms, and no module outgrows a reading.
 
+face (`cli` -> `http`, `mcp`, `bench` -> `serve` -> `chat`) -> `sessions` -> `engine` -> `kernels`.
 Read from the source (AST, function-level imports included), so nothing is imported to check it:
 `sessions/` never imports MLX (a session home is SQLite plus safetensors files written from
-numpy, whichever backend made the cache), and `engine/` never imports `sessions`.
+numpy, whichever backend made the cache), `engine/` never imports `sessions`, `serve/` never
+imports a transport.
 """
 
 from __future__ import annotations
@@ -16,7 +18,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"sessions": "agentfold.sessions", "engine": "agentfold.engine"}  # folder -> installed name
+PACKAGES = {"agentfold": "agentfold", "sessions": "agentfold.sessions", "engine": "agentfold.engine",
+            "kernels": "agentfold.kernels", "integrations": "agentfold.integrations"}  # folder -> installed name
+# room -> the rooms it may import (besides itself); a room is agentfold.<name>, or the folder above
+MAY_IMPORT = {
+    "kernels": set(),
+    "engine": {"kernels"},
+    "sessions": {"engine", "kernels"},
+    "chat": {"sessions", "engine", "kernels"},
+    "serve": {"chat", "sessions", "engine", "kernels"},
+    "http": {"mcp", "serve", "chat", "sessions", "engine", "kernels", "root"},
+    "mcp": {"serve", "chat", "sessions", "engine", "kernels", "root"},
+    "bench": {"serve", "chat", "sessions", "engine", "kernels", "root"},
+    "integrations": {"serve"},
+    "cli": {"bench", "http", "mcp", "integrations", "serve", "chat", "sessions", "engine", "kernels", "root"},
+    "root": {"kernels"},
+}
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
 
 
 def imports(folder: str) -> Iterator[tuple[str, int, str]]:
@@ -39,6 +58,14 @@ def imports(folder: str) -> Iterator[tuple[str, int, str]]:
                   and isinstance(node.args[0].value, str)
                   and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
                 yield where, node.lineno, node.args[0].value
+
+
+def room(module: str) -> str | None:
+    """The room an `agentfold...` module lives in; None outside the package."""
+    parts = module.split(".")
+    if parts[0] != "agentfold":
+        return None
+    return parts[1] if len(parts) > 1 else "root"
 
 
 def under(module: str, *roots: str) -> bool:
@@ -81,3 +108,44 @@ def test_no_import_for_its_side_effects():
                            capture_output=True, text=True)
     assert found.returncode in (0, 1), found.stderr
     assert not found.stdout.strip(), found.stdout
+
+
+def test_imports_point_down_the_rooms():
+    bad = []
+    for folder, package in PACKAGES.items():
+        for where, line, module in imports(folder):
+            source = room(package + "." + Path(where).relative_to(folder).with_suffix("").as_posix().replace("/", "."))
+            source = "root" if where == "agentfold/__init__.py" else source
+            target = room(module)
+            if target is not None and target != source and target not in MAY_IMPORT[source]:
+                bad.append(f"{where}:{line} {source} -> {module}")
+    assert not bad, bad
+
+
+def test_importing_the_package_loads_nothing():
+    """`import agentfold` names the version and nothing else: no BLAS, no MLX, no torch."""
+    script = ("import sys, agentfold\n"
+              "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'torch', 'numpy'}"
+              " or m.startswith('agentfold.'))\n"
+              "assert not bad, bad\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _sources() -> Iterator[Path]:
+    for folder in PACKAGES:
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_no_module_outgrows_a_reading():
+    """No file over ~500 lines and no function over ~80, outside the tests."""
+    long_files = [f"{p.relative_to(ROOT)}: {n}" for p in _sources()
+                  if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    long_functions = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length}")
+    assert not long_files and not long_functions, (long_files, long_functions)
