@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -202,6 +203,24 @@ def test_read_only_home_serves_without_persistence(api_server, tmp_path):  # noq
         for path in [home, *home.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
     assert store_state(home) == before
+
+
+def test_sigterm_writes_pending_snapshots_and_exits_143(tmp_path):
+    """`docker stop` / systemd send SIGTERM: uvicorn re-raises it after its graceful shutdown, which
+    with the default handler killed the process before the sessions flushed. It must unwind instead:
+    the turn's snapshot is on disk, the telemetry closed, and the exit status is 128 + SIGTERM."""
+    home = tmp_path / "home"
+    server = ServerProcess(home, SERVE, stop_signal=signal.SIGTERM, log_path=tmp_path / "serve.log").start()
+    try:
+        ask(server.url, [{"role": "user", "content": "Name a fruit."}], session="term-1")
+        status = server.stop()
+    finally:
+        server.kill()
+    log = server.log()
+    assert status == 128 + signal.SIGTERM, (status, log[-2000:])
+    assert "stopping: writing pending session snapshots" in log, log[-2000:]
+    state = store_state(home)
+    assert state["files"] and any("term-1" in repr(row) for rows in state.values() for row in rows), state
 
 
 def test_full_disk_warns_and_keeps_serving(api_server, tmp_path):  # noqa: F811
