@@ -8,35 +8,36 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from agentfold import prepare_process
-from agentfold.bench import load as loadtest
-from agentfold.cli import bench as bench_cli
-from agentfold.cli import generate as generate_cli
-from agentfold.cli import offload as offload_cli
-from agentfold.cli import ops as ops_cli
-from agentfold.cli import serve as server_cli
-from agentfold.cli import sessions as sessions_cli
 from agentfold.cli.args import progress
-from agentfold.integrations import writer as integrate
+
+
+def _commands() -> dict[str, ModuleType]:
+    """The modules that add their subcommands and run them. Imported here, not at the top, so that
+    `python -m agentfold.cli.sessions` (whose package this is) does not import itself twice."""
+    from agentfold.bench import load as loadtest
+    from agentfold.cli import bench, generate, offload, ops, serve, sessions
+    from agentfold.integrations import writer as integrate
+
+    return {"generate": generate, "bench": bench, "offload": offload, "integrate": integrate, "loadtest": loadtest,
+            "serve": serve, "ops": ops, "sessions": sessions}
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentfold", description="Local inference runtime for coding agents.")
     sub = parser.add_subparsers(dest="command", required=True)
-    generate_cli.add_parser(sub)
+    commands = _commands()
+    commands["generate"].add_parser(sub)
     conv = sub.add_parser("convert", help="write a GGUF file as an MLX folder")
     conv.add_argument("gguf")
     conv.add_argument("out_dir")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "keep"])
 
-    bench_cli.add_parser(sub)
-    offload_cli.add_parser(sub)
-    integrate.add_parser(sub)
-    loadtest.add_parser(sub)
-    server_cli.add_parser(sub)
-    ops_cli.add_parsers(sub)
-    sessions_cli.add_parser(sub)
+    for name in ("bench", "offload", "integrate", "loadtest", "serve", "sessions"):
+        commands[name].add_parser(sub)
+    commands["ops"].add_parsers(sub)
     return parser
 
 
@@ -52,10 +53,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     prepare_process()
-    handlers = {"generate": generate_cli.run, "convert": _cmd_convert, "bench": bench_cli.run,
-                "integrate": integrate.run, "loadtest": loadtest.run, "serve": server_cli.run, "sessions": sessions_cli.run,
-                **dict.fromkeys(ops_cli.COMMANDS, ops_cli.run)}
-    handlers["profile-experts"] = offload_cli.run_profile
+    commands = _commands()
+    handlers = {name: module.run for name, module in commands.items() if name not in ("ops", "offload")}
+    handlers.update({"convert": _cmd_convert, "profile-experts": commands["offload"].run_profile,
+                     **dict.fromkeys(commands["ops"].COMMANDS, commands["ops"].run)})
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
