@@ -81,3 +81,15 @@ class Backend(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """Kernels, quantization and device: what changes a cache's bytes (snapshot key) and the report."""
+
+
+def prefill_in_chunks(backend: Backend, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
+    """`Backend.prefill` for any backend: the chunks between `boundaries`, each through its
+    `prefill_steps`, so a stepped prefill and a one-call one run the same code."""
+    start = cache.length
+    end = start + len(tokens)
+    offset = start
+    for cut in sorted({b for b in boundaries if start < b < end} | {end}):
+        for _ in backend.prefill_steps(tokens[offset - start : cut - start], cache):
+            pass
+        offset = cut

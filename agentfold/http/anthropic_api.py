@@ -23,7 +23,12 @@ from agentfold.chat.template import render_chat
 from agentfold.chat.tool_calls import TextPiece
 from agentfold.chat.tools import ToolCall, ToolSpec
 from agentfold.http.errors import ApiError
-from agentfold.http.fields import get_bool, get_float, get_int, get_seed, get_session_id, get_stop, get_str
+from agentfold.http.fields import (
+    get_float,
+    get_int,
+    get_stop,
+    read_turn_fields,
+)
 from agentfold.http.stream import SSE_HEADERS, Outcome, collect, drive, new_id, prepare, sse
 
 log = logging.getLogger(__name__)
@@ -156,12 +161,7 @@ def messages_plan(body: dict[str, Any], request: Request) -> ChatPlan:
     plan.top_k = max(0, top_k)
     plan.min_p = get_float(body, "min_p", 0.0, 1.0, default=0.0)
     plan.stop = get_stop(body, "stop_sequences")
-    plan.seed = get_seed(body)
-    plan.draft = get_bool(body, "draft", True)
-    plan.audit = get_bool(body, "audit", False)
-    plan.session_id = get_session_id(body, request)
-    plan.stream = get_bool(body, "stream", False)
-    plan.model = get_str(body, "model", "") or ""
+    read_turn_fields(plan, body, request)
     return plan
 
 

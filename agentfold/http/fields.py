@@ -155,3 +155,13 @@ def get_session_id(body: dict, request: Request) -> str | None:
         return check_session_id(session)
     except ValueError as error:
         raise ApiError(f"'{param}': {error}", param="session_id") from error
+
+
+def read_turn_fields(plan: Any, body: dict, request: Request) -> None:
+    """The fields every chat API shares onto `plan`: seed, draft, audit, session, stream, model."""
+    plan.seed = get_seed(body)
+    plan.draft = get_bool(body, "draft", True)
+    plan.audit = get_bool(body, "audit", False)
+    plan.session_id = get_session_id(body, request)
+    plan.stream = get_bool(body, "stream", False)
+    plan.model = get_str(body, "model", "") or ""

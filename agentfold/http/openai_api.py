@@ -23,7 +23,13 @@ from agentfold.chat.plan import ChatPlan, check_schema, parse_tool_choice
 from agentfold.chat.tool_calls import TextPiece
 from agentfold.chat.tools import ToolCall, ToolSpec
 from agentfold.http.errors import ApiError
-from agentfold.http.fields import get_bool, get_float, get_int, get_seed, get_session_id, get_stop, get_str
+from agentfold.http.fields import (
+    get_bool,
+    get_float,
+    get_int,
+    get_stop,
+    read_turn_fields,
+)
 from agentfold.http.stream import SSE_HEADERS, Outcome, collect, drive, new_id, now, prepare, sse
 
 log = logging.getLogger(__name__)
@@ -151,12 +157,7 @@ def common_fields(plan: ChatPlan, body: dict[str, Any], request: Request) -> Cha
     top_k = get_int(body, "top_k", default=0)
     plan.top_k = 0 if top_k < 0 else top_k  # llama.cpp: <= 0 means off
     plan.min_p = get_float(body, "min_p", 0.0, 1.0, default=0.0)
-    plan.seed = get_seed(body)
-    plan.draft = get_bool(body, "draft", True)
-    plan.audit = get_bool(body, "audit", False)
-    plan.session_id = get_session_id(body, request)
-    plan.stream = get_bool(body, "stream", False)
-    plan.model = get_str(body, "model", "") or ""
+    read_turn_fields(plan, body, request)
     n = get_int(body, "n", default=1)
     if n != 1:
         raise ApiError(f"'n' must be 1 here (one choice per request), not {n}.", param="n")

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from agentfold.engine.cache_layout import CacheLayoutError, array_name, bits_dtype, mark_bits, tokens_array, tokens_of
 from agentfold.engine.mlx.loader import LoadedModel
-from agentfold.engine.protocol import CacheState, Checkpoint
+from agentfold.engine.protocol import CacheState, Checkpoint, prefill_in_chunks
 from agentfold.kernels import attention, mlx_int8
 
 __all__ = ["CacheState", "Checkpoint", "MLXBackend", "resolve_quant"]
@@ -69,13 +69,7 @@ class MLXBackend:
 
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`; logits are never computed."""
-        start = cache.length
-        end = start + len(tokens)
-        offset = start
-        for cut in sorted({b for b in boundaries if start < b < end} | {end}):
-            for _ in self.prefill_steps(tokens[offset - start : cut - start], cache):
-                pass
-            offset = cut
+        prefill_in_chunks(self, tokens, cache, boundaries)
 
     def prefill_steps(self, tokens: Sequence[int], cache: CacheState) -> Iterator[None]:
         """Append one chunk of `tokens`, evaluating one layer's cache per step and yielding between.

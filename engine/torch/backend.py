@@ -18,7 +18,7 @@ import torch
 
 from agentfold.engine.cache_layout import CacheLayoutError, array_name, bits_dtype, mark_bits, tokens_array, tokens_of
 from agentfold.engine.mlx.loader import LoadedModel
-from agentfold.engine.protocol import CacheState, Checkpoint
+from agentfold.engine.protocol import CacheState, Checkpoint, prefill_in_chunks
 from agentfold.engine.torch.models import ops, quantize
 from agentfold.kernels import torch_cpu
 
@@ -73,13 +73,7 @@ class TorchBackend:
 
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`; logits are never computed."""
-        start = cache.length
-        end = start + len(tokens)
-        offset = start
-        for cut in sorted({b for b in boundaries if start < b < end} | {end}):
-            for _ in self.prefill_steps(tokens[offset - start : cut - start], cache):
-                pass
-            offset = cut
+        prefill_in_chunks(self, tokens, cache, boundaries)
 
     def prefill_steps(self, tokens: Sequence[int], cache: CacheState) -> Iterator[None]:
         """Append one chunk of `tokens`, yielding after each decoder layer; the cache holds the
