@@ -186,6 +186,7 @@ def without_root_override() -> list[str]:
     return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--"]
 
 
+@pytest.mark.slow  # a real server process
 def test_read_only_home_serves_without_persistence(api_server, tmp_path):  # noqa: F811
     home = tmp_path / "home"
     SnapshotStore(home)  # an existing index (and snapshots folder), as an earlier run leaves them
@@ -205,6 +206,7 @@ def test_read_only_home_serves_without_persistence(api_server, tmp_path):  # noq
     assert store_state(home) == before
 
 
+@pytest.mark.slow  # a real server process
 def test_sigterm_writes_pending_snapshots_and_exits_143(tmp_path):
     """`docker stop` / systemd send SIGTERM: uvicorn re-raises it after its graceful shutdown, which
     with the default handler killed the process before the sessions flushed. It must unwind instead:
@@ -223,6 +225,7 @@ def test_sigterm_writes_pending_snapshots_and_exits_143(tmp_path):
     assert state["files"] and any("term-1" in repr(row) for rows in state.values() for row in rows), state
 
 
+@pytest.mark.slow  # a real server process
 def test_full_disk_warns_and_keeps_serving(api_server, tmp_path):  # noqa: F811
     probe = subprocess.run(["unshare", "--mount", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path}"],
                            capture_output=True) if shutil.which("unshare") else None

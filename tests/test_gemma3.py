@@ -14,6 +14,7 @@ def gemma3_engine(gemma3_folder):
     return build_engine(gemma3_folder, max_width=8)
 
 
+@pytest.mark.slow  # the second real model: loading it is most of the time
 def test_gemma3_continues_sensibly(gemma3_engine):
     """Wrong weight mapping (norms, names, dequantization) gives noise; the real model counts on."""
     ids = gemma3_engine.tokenizer.encode("1, 2, 3, 4, 5, 6,")
@@ -25,6 +26,7 @@ def test_gemma3_continues_sensibly(gemma3_engine):
     assert "France" in france.text or "Paris" in france.text, france.text
 
 
+@pytest.mark.slow
 def test_gemma3_drafted_equals_serial(gemma3_engine):
     assert gemma3_engine.exactness.drafting, gemma3_engine.exactness.describe()
     text = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n" * 2

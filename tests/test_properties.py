@@ -149,6 +149,7 @@ def check_answer(response: httpx.Response, path: str) -> None:
         response.json()
 
 
+@pytest.mark.slow  # hypothesis drives hundreds of requests per API
 @pytest.mark.parametrize("path", list(ENDPOINTS))
 def test_no_5xx_for_any_body(url, path):
     with httpx.Client(base_url=url, timeout=120) as http:
