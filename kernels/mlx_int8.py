@@ -71,7 +71,7 @@ def _combine_rows(hi: mx.array, lo: mx.array, row_scales: mx.array, weight_scale
 
 # The per-element steps as fused kernels (one per function, any shape): the same IEEE operations
 # per element as the plain graph, without a dozen dispatches per layer. Checked equal, and
-# row-exact, in tests/test_int8_kernels.py.
+# row-exact, in tests/kernels/test_int8_kernels.py.
 _quantize_compiled = mx.compile(quantize_rows, shapeless=True)
 _combine = mx.compile(_combine_rows, shapeless=True)
 

@@ -30,11 +30,7 @@ from agentfold.engine.mlx.loader import LoadedModel
 from agentfold.engine.sampler import SamplingParams
 from agentfold.engine.selfcheck import ExactnessReport, check_row_exactness
 from agentfold.kernels import attention
-
-try:
-    from tests.tiny_models import build_model, loaded_model, make_tokenizer, perturbed_copy, tiny_config
-except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
-    from tiny_models import build_model, loaded_model, make_tokenizer, perturbed_copy, tiny_config
+from tests.helpers.tiny_models import build_model, loaded_model, make_tokenizer, perturbed_copy, tiny_config
 
 ARCHS = ("qwen3", "qwen3_moe", "qwen3_next")
 MAX_TOKENS = 40

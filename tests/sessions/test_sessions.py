@@ -30,13 +30,9 @@ from agentfold.engine.factory import build_engine
 from agentfold.kernels import attention
 from agentfold.sessions import SessionManager
 from agentfold.sessions.snapshots import SnapshotError, SnapshotStore
+from tests.helpers.tiny_models import CORPUS, build_model, loaded_model, make_tokenizer, tiny_config
 
-try:
-    from tests.tiny_models import CORPUS, build_model, loaded_model, make_tokenizer, tiny_config
-except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
-    from tiny_models import CORPUS, build_model, loaded_model, make_tokenizer, tiny_config
-
-WORKER = Path(__file__).with_name("session_worker.py")
+WORKER = Path(__file__).parents[1] / "helpers" / "session_worker.py"
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -358,11 +354,7 @@ def test_torch_bfloat16_snapshot_is_a_standard_file(tmp_path):
     torch = pytest.importorskip("torch")
     from agentfold.engine.torch.backend import TorchBackend
     from agentfold.engine.torch.loader import load_torch_model
-
-    try:
-        from tests.torch_tiny import write_folder
-    except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
-        from torch_tiny import write_folder
+    from tests.helpers.torch_tiny import write_folder
 
     backend = TorchBackend(load_torch_model(write_folder(tmp_path / "qwen3", "qwen3", seed=3), dtype="bfloat16",
                                             device="cpu"))

@@ -3,7 +3,7 @@
 One full serving stack (Service + build_app: the APIs, MCP at /mcp, sessions in a real SQLite
 file) on loopback. A real turn is stored first; after all the bad requests the session index rows
 and every snapshot file's sha256 are unchanged, and the server still answers normal requests on
-every API. (tests/test_api_errors.py covers the basic cases; these are the rest.)
+every API. (tests/http/test_errors.py covers the basic cases; these are the rest.)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import openai
 import pytest
 from mcp import Client
 
-from tests.reliability_helpers import assert_api_error, service_server, store_state
+from tests.helpers.reliability_helpers import assert_api_error, service_server, store_state
 
 pytestmark = pytest.mark.anyio
 

@@ -15,10 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-try:
-    from tests.tiny_models import make_tokenizer
-except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
-    from tiny_models import make_tokenizer
+from tests.helpers.tiny_models import make_tokenizer
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 64, 4, 2, 16, 128
 

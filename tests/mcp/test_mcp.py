@@ -28,7 +28,7 @@ from agentfold.mcp.results import HIDDEN_TURN_FIELDS
 from agentfold.mcp.server import build_mcp, mount_mcp
 from agentfold.serve.scheduler import Runtime
 from agentfold.serve.service import Service
-from tests.api_helpers import MODEL_ID, ServerThread
+from tests.helpers.api_helpers import MODEL_ID, ServerThread
 
 pytestmark = pytest.mark.anyio
 

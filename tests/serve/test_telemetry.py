@@ -24,11 +24,7 @@ from agentfold.engine.sampler import SamplingParams
 from agentfold.engine.selfcheck import check_row_exactness
 from agentfold.serve.metrics import Metrics
 from agentfold.serve.telemetry import TelemetryStore, TurnRecord, timings
-
-try:
-    from tests.tiny_models import build_model, loaded_model, make_tokenizer, perturbed_copy, tiny_config
-except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
-    from tiny_models import build_model, loaded_model, make_tokenizer, perturbed_copy, tiny_config
+from tests.helpers.tiny_models import build_model, loaded_model, make_tokenizer, perturbed_copy, tiny_config
 
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n" * 3 + "def add(a, b):\n    return"
 

@@ -34,13 +34,8 @@ from agentfold.engine.selfcheck import check_row_exactness  # noqa: E402
 from agentfold.engine.torch.backend import TorchBackend  # noqa: E402
 from agentfold.engine.torch.loader import load_torch_model  # noqa: E402
 from agentfold.serve.telemetry import TelemetryStore, TurnRecord  # noqa: E402
-
-try:
-    from tests.test_tiny_models import FlawedOracleDrafter, PinnedDepth
-    from tests.torch_tiny import tiny_config, write_folder
-except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
-    from test_tiny_models import FlawedOracleDrafter, PinnedDepth
-    from torch_tiny import tiny_config, write_folder
+from tests.engine.test_tiny_models import FlawedOracleDrafter, PinnedDepth  # noqa: E402
+from tests.helpers.torch_tiny import tiny_config, write_folder  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None

@@ -10,7 +10,7 @@ import pytest
 from agentfold.engine import backend_choice
 from agentfold.engine.factory import build_engine
 from agentfold.engine.selfcheck import ExactnessReport
-from tests.torch_tiny import write_folder
+from tests.helpers.torch_tiny import write_folder
 
 
 def report(width: int, one_row: float, per_row: float) -> ExactnessReport:

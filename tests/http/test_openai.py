@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.api_helpers import MODEL_ID, api_server, wait_idle  # noqa: F401  (fixture)
+from tests.helpers.api_helpers import MODEL_ID, api_server, wait_idle  # noqa: F401  (fixture)
 
 HELLO = [{"role": "user", "content": "Say hello to Ada."}]
 COPY = ("Repeat this line exactly: the quick brown fox jumps over the lazy dog, "

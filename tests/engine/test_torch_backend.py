@@ -29,13 +29,8 @@ from agentfold.engine.torch.backend import TorchBackend
 from agentfold.engine.torch.loader import load_torch_model
 from agentfold.engine.torch.models.qwen3_moe import ReferenceExperts, moe_blocks
 from agentfold.sessions import SessionManager
-
-try:
-    from tests.conftest import chat_ids
-    from tests.torch_tiny import write_folder
-except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
-    from conftest import chat_ids
-    from torch_tiny import write_folder
+from tests.conftest import chat_ids
+from tests.helpers.torch_tiny import write_folder
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.7, seed=2)
@@ -364,7 +359,7 @@ def _one_shot_prefill(backend, tokens: list[int]):
 
 
 def _hybrid_mlx_backend() -> MLXBackend:
-    from tests.tiny_models import build_model, loaded_model, make_tokenizer, tiny_config
+    from tests.helpers.tiny_models import build_model, loaded_model, make_tokenizer, tiny_config
 
     tokenizer = make_tokenizer()
     config = tiny_config("qwen3_next", len(tokenizer))

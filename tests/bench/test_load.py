@@ -15,7 +15,7 @@ import asyncio
 import pytest
 
 from agentfold.bench.load import MIB, run_load
-from tests.reliability_helpers import service_server
+from tests.helpers.reliability_helpers import service_server
 
 CLIENTS = 16
 

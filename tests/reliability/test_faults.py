@@ -26,9 +26,9 @@ import httpx
 import pytest
 
 from agentfold.bench.harness import ServerProcess
-from agentfold.sessions.store import SnapshotStore
-from tests.api_helpers import api_server, wait_idle  # noqa: F401  (fixture)
-from tests.reliability_helpers import check_store, service_server, store_state
+from agentfold.sessions.snapshots import SnapshotStore
+from tests.helpers.api_helpers import api_server, wait_idle  # noqa: F401  (fixture)
+from tests.helpers.reliability_helpers import check_store, service_server, store_state
 
 SERVE = ["--no-draft"]  # no self-check at start-up: the restarts stay quick (replies are the same bytes)
 STORY = ("The lighthouse keeper counted the ships that passed each night, wrote their names in a ledger, "

@@ -1,7 +1,7 @@
 """`agentfold integrate`: golden configs per client/scope/transport, merging, backups, refusals, /v1/models.
 
 Regenerate the golden files after a deliberate template change with
-`AGENTFOLD_UPDATE_GOLDEN=1 python -m pytest tests/test_integrate.py`, then read the diff.
+`AGENTFOLD_UPDATE_GOLDEN=1 python -m pytest tests/integrations/test_integrate.py`, then read the diff.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from agentfold.integrations.merge import Change, merge
 from agentfold.integrations.settings import Settings, normalize_base_url
 from agentfold.integrations.templates import render_readme
 
-GOLDEN = Path(__file__).parent / "golden" / "integrate"
+GOLDEN = Path(__file__).parents[1] / "golden" / "integrate"
 UPDATE = os.environ.get("AGENTFOLD_UPDATE_GOLDEN") == "1"
 FILE_CLIENTS = [c for c in CLIENTS if c not in UI_ONLY]
 MODEL = "coder-7b"

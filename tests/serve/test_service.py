@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agentfold.http.app import build_app
 from agentfold.serve.scheduler import Runtime
 from agentfold.serve.service import Service
-from tests.api_helpers import MODEL_ID, ServerThread
+from tests.helpers.api_helpers import MODEL_ID, ServerThread
 
 SOURCE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(40))
 TURN1 = [{"role": "user", "content": f"Here is a module:\n```python\n{SOURCE}```\nWhat does f3 return?"}]

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from agentfold.http.app import create_app
-from tests.api_helpers import ServerThread, api_server  # noqa: F401  (fixture)
+from tests.helpers.api_helpers import ServerThread, api_server  # noqa: F401  (fixture)
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 CHAT = "/v1/chat/completions"

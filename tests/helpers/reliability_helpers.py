@@ -14,7 +14,7 @@ import httpx
 from agentfold.http.app import build_app
 from agentfold.serve.scheduler import Runtime
 from agentfold.serve.service import Service
-from tests.api_helpers import MODEL_ID, ServerThread
+from tests.helpers.api_helpers import MODEL_ID, ServerThread
 
 STORE_TABLES = ("sessions", "turns", "snapshots")
 

@@ -26,11 +26,7 @@ from agentfold.engine.factory import build_engine
 from agentfold.kernels import attention
 from agentfold.sessions import SessionManager
 from agentfold.sessions.index import SessionIndex, default_home
-
-try:
-    from tests.tiny_models import CORPUS, build_model, loaded_model, make_tokenizer, tiny_config
-except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
-    from tiny_models import CORPUS, build_model, loaded_model, make_tokenizer, tiny_config
+from tests.helpers.tiny_models import CORPUS, build_model, loaded_model, make_tokenizer, tiny_config
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"

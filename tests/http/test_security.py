@@ -27,14 +27,14 @@ from agentfold.http.app import Server
 from agentfold.serve.auth import ApiKey
 from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES
 from agentfold.serve.scheduler import Runtime
-from tests.api_helpers import MODEL_ID, wait_idle
-from tests.reliability_helpers import assert_api_error, service_server
+from tests.helpers.api_helpers import MODEL_ID, wait_idle
+from tests.helpers.reliability_helpers import assert_api_error, service_server
 
 pytestmark = pytest.mark.anyio
 
 KEY = "s3cret-key"
 HI = [{"role": "user", "content": "Hi"}]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CODE = [p for folder in ("agentfold", "engine", "kernels", "sessions") for p in (ROOT / folder).rglob("*.py")]
 
 

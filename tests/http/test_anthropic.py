@@ -6,7 +6,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.api_helpers import api_server  # noqa: F401  (fixture)
+from tests.helpers.api_helpers import api_server  # noqa: F401  (fixture)
 
 MODEL = "claude-sonnet-4-6"  # any name reaches the one model served
 SYSTEM = [{"type": "text", "text": "You are a helpful assistant.", "cache_control": {"type": "ephemeral"}}]

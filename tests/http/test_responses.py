@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.api_helpers import api_server  # noqa: F401  (fixture)
+from tests.helpers.api_helpers import api_server  # noqa: F401  (fixture)
 
 READ = {"type": "function", "name": "read_file", "description": "Read a file and return its contents.",
         "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "Path of the file"}},

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks (most are slow: real servers, real model)."""

@@ -1,0 +1,1 @@
+"""Tests of the decode engine: sampler, drafting, backends, MoE offload, real models."""

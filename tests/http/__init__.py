@@ -1,0 +1,1 @@
+"""Tests of the HTTP APIs through the official clients on a real uvicorn server."""

@@ -1,0 +1,1 @@
+"""Tests of `agentfold integrate` against golden files."""

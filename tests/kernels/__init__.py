@@ -1,0 +1,1 @@
+"""Tests of the row-exact kernels, including Triton compiled for real GPU targets."""

@@ -1,0 +1,1 @@
+"""Tests of sessions: resumed equals fresh, the snapshot store, recovery."""
