@@ -10,6 +10,10 @@ whole history plus one new message) to a real `agentfold serve`:
 2. The server is restarted on the same home and the last requests are sent again: their KV cache
    must come back from the snapshots on disk.
 3. A server with an empty home answers the same last requests: the replies must be equal.
+4. Stall (`bench.stall`): a decoding client must not stall while another client prefills a long
+   prompt (the scheduler steps prefill a decoder layer at a time): its max chunk gap beside an
+   ~8K-token prefill against its own solo p99.
+5. Prefill rates (`bench.prefill`): the engine's prefill tok/s next to mlx-lm's on the same ids.
 """
 
 from __future__ import annotations
@@ -203,9 +207,25 @@ def summarize(rows: list[dict[str, Any]], restart: list[dict[str, Any]], fresh: 
     return summary
 
 
+def _extra_sections(path: Path, tokenizer: Any, entry: dict[str, Any], quick: bool, dtype: str, seed: int,
+                    prefill_contexts: Sequence[int] | None, say: Callable[[str], None]) -> dict[str, Any]:
+    """The `stall` and `prefill` sections (4 and 5 of METHOD); each sets its own server or engines up."""
+    from agentfold.bench.prefill import PREFILL_CONTEXTS, QUICK_CONTEXTS, bench_prefill
+    from agentfold.bench.stall import bench_stall
+
+    say("bench agent: stall check (a decoding client beside another client's long prefill)")
+    stall = bench_stall(path, tokenizer, entry["context_length"], quick=quick, dtype=dtype, seed=seed, progress=say)
+    contexts = tuple(prefill_contexts or (QUICK_CONTEXTS if quick else PREFILL_CONTEXTS))
+    say(f"bench agent: prefill rates at {', '.join(map(str, contexts))} tokens, agentfold vs mlx_lm")
+    prefill = bench_prefill(path, entry["context_length"], contexts, dtype=dtype, seed=seed, progress=say)
+    return {"stall": stall, "prefill": prefill}
+
+
 def bench_agent(model: str | None = None, out: str | Path | None = "bench-results/agent.json", quick: bool = False,
-                seed: int = 0, dtype: str = "float32", progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the three phases and return the result (written as JSON to `out` unless it is None)."""
+                seed: int = 0, dtype: str = "float32", progress: Callable[[str], None] | None = None,
+                prefill_contexts: Sequence[int] | None = None) -> dict[str, Any]:
+    """Run the three phases, the stall check and the prefill rates; return the result (written as JSON
+    to `out` unless it is None). `prefill_contexts`: default 1K, 4K, 16K (quick: 1K)."""
     from agentfold.engine.mlx.loader import load_model
     from agentfold.serve.models import resolve
 
@@ -217,6 +237,7 @@ def bench_agent(model: str | None = None, out: str | Path | None = "bench-result
     loaded = load_model(path, dtype, say)
     entry = model_entry(loaded, dtype, "main")
     transcript = build_transcript(seed, loaded.tokenizer, quick)
+    tokenizer = loaded.tokenizer  # the stall check counts its long prompt with it
     del loaded
     turns = transcript["turns"]
     last = turns[-1]["expected_prompt_tokens"] + turns[-1]["max_tokens"]
@@ -231,6 +252,7 @@ def bench_agent(model: str | None = None, out: str | Path | None = "bench-result
         rows, first = run_phase(path, home, dtype, "run", range(len(turns)), transcript, seed, say)
         restart, second = run_phase(path, home, dtype, "restart", tail, transcript, seed, say)
         fresh, third = run_phase(path, Path(tmp) / "fresh", dtype, "fresh", tail, transcript, seed, say)
+    extra = _extra_sections(path, tokenizer, entry, quick, dtype, seed, prefill_contexts, say)
     result.update({
         "model": entry,
         "transcript": {"sha256": transcript["sha256"], "files": transcript["files"], "profile": transcript["profile"],
@@ -239,7 +261,8 @@ def bench_agent(model: str | None = None, out: str | Path | None = "bench-result
         "method": METHOD,
         "servers": [first, second, third],
         "turns": rows, "restart": restart, "fresh": fresh,
-        "summary": summarize(rows, restart, fresh),
+        **extra,
+        "summary": {**summarize(rows, restart, fresh), **extra_summary(extra)},
     })
     if out is not None:
         finish_run(result, started, out)
@@ -248,8 +271,21 @@ def bench_agent(model: str | None = None, out: str | Path | None = "bench-result
     s = result["summary"]
     say(f"bench agent: min cached after turn 1 {s['min_cached_fraction_after_first']:.1%}, "
         f"{len(s['turns_below_goal'])} below {CACHED_GOAL:.0%}, restart {s['restart_cached_fractions']}, "
-        f"replies equal fresh: {s['replies_equal_fresh']}")
+        f"replies equal fresh: {s['replies_equal_fresh']}; stall_ok {s['stall_ok']} (max gap / solo p99 "
+        f"{s['stall_ratio']}, goal {s['stall_goal_ratio']}); prefill agentfold/mlx_lm {s['prefill_ratios']}")
     return result
+
+
+def extra_summary(extra: dict[str, Any]) -> dict[str, Any]:
+    """The stall and prefill figures for the summary line. `ok` stays the session-cache verdict; the stall
+    check has its own (`stall_ok`) so a noisy shared machine shows up there, not as a cache failure."""
+    stall = extra["stall"]
+    return {"stall_ok": stall["ok"], "stall_ratio": stall["max_gap_over_solo_p99"],
+            "stall_goal_ratio": stall["goal_ratio"], "stall_max_gap_ms": stall["b_beside_prefill"]["max_gap_ms"],
+            "stall_solo_p99_ms": stall["b_solo"]["itl_p99_ms"], "stall_prefill_tokens": stall["a"]["prompt_tokens"],
+            "prefill_tps": {str(r["context"]): {"agentfold": r["agentfold"]["tps"], "mlx_lm": r["mlx_lm"]["tps"]}
+                            for r in extra["prefill"]["rows"]},
+            "prefill_ratios": {str(r["context"]): r["ratio"] for r in extra["prefill"]["rows"]}}
 
 
 METHOD = {
@@ -262,4 +298,10 @@ METHOD = {
                "(prompt - cached) / prefill_ms; api_cached_tokens is the API's own field",
     "restart": "a new server process on the same --home re-sends the last requests (cache from disk)",
     "fresh": "a server with an empty --home answers the same last requests; replies compared by token sha and text",
+    "stall": "a server with --max-active 2: client B streams a drafted code edit alone (its solo chunk gaps, p99), "
+             "then again while client A prefills a ~8K-token prompt (quick: ~2K); B's max gap beside A's prefill "
+             "over its solo p99 must stay <= 3 and its reply must equal the solo one (details in stall.method)",
+    "prefill": "in-process prefill tok/s of the engine (backend auto, max_tokens=1, no drafting) and of mlx_lm's "
+               "stream_generate (its prompt_tps) on the same ids at 1K, 4K, 16K tokens (quick: 1K); 16K on Gemma 3 "
+               "270M (MLX backend) beyond the bench model's window (details in prefill.method)",
 }

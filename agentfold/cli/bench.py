@@ -41,6 +41,8 @@ def add_parser(sub: Any) -> None:
     add_model_file_args(agent)
     agent.add_argument("--quick", action="store_true", help="tiny tool results, shorter replies, 2 restart turns")
     agent.add_argument("--seed", type=int, default=0, help="picks the stdlib files of the transcript")
+    agent.add_argument("--prefill-contexts", help="prompt sizes in tokens for the prefill rates, comma-separated "
+                       "(default 1024,4096,16384; --quick: 1024)")
     agent.add_argument("--out", required=True, help="JSON file to write")
     suite = bench_sub.add_parser("all", help="agent workloads through the HTTP server against baselines, with a report")
     add_model_file_args(suite)
@@ -83,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
         from agentfold.bench.server import BenchError as ServerBenchError
 
         try:
+            contexts = (tuple(int(c) for c in args.prefill_contexts.split(",") if c.strip())
+                        if args.prefill_contexts else None)
             result = bench_agent(args.model, args.out, quick=args.quick, seed=args.seed, dtype=args.dtype,
-                                 progress=progress)
+                                 progress=progress, prefill_contexts=contexts)
         except ServerBenchError as error:
             raise ValueError(str(error)) from error
         progress(f"wrote {args.out}: {json.dumps(result['summary'])}")

@@ -3,7 +3,10 @@ server, both APIs, a restart on the same home and a fresh server.
 
 Asserted: what the session is (turns, APIs, tool choices), that every request after the first is served
 with at least 95% of its prompt from the session's KV cache (before and after the restart), and that
-the replies equal a fresh server's. Speeds are only checked to be there (shared CI machines).
+the replies equal a fresh server's. Speeds are only checked to be there (shared CI machines): the stall
+check's goal (a decoding client's max gap beside another client's long prefill within 3x its solo p99)
+is the bench's verdict (`stall_ok`), not the test's; the test checks that the gaps were measured during
+the prefill and that the reply stayed exact with drafting on.
 """
 
 from __future__ import annotations
@@ -87,3 +90,28 @@ def test_replies_equal_a_fresh_server(quick):
                                                         by_turn[row["turn"]]["reply_sha"]), row["turn"]
     assert result["summary"]["replies_equal_fresh"] is True and result["summary"]["ok"] is True
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_decoding_client_does_not_stall_beside_a_long_prefill(quick):
+    result, done = quick
+    stall = result["stall"]
+    assert stall["quick"] is True and stall["server"]["max_active"] >= 2
+    a, solo, beside = stall["a"], stall["b_solo"], stall["b_beside_prefill"]
+    assert a["prompt_tokens"] >= 1500 and a["cached_tokens"] == 0 and a["prefill_ms"] > 0  # a cold, long prefill
+    assert solo["gaps"] > 0 and solo["itl_p99_ms"] > 0
+    assert beside["gaps_in_prefill"] >= 5 and beside["max_gap_ms"] > 0, beside
+    assert stall["max_gap_over_solo_p99"] > 0 and stall["goal_ratio"] == 3.0, (beside, solo)
+    assert stall["reply_equal_solo"] is True and beside["drafted"] > 0  # exact, and drafting really happened
+    summary = result["summary"]
+    assert summary["stall_ok"] == stall["ok"] and summary["stall_ratio"] == stall["max_gap_over_solo_p99"]
+
+
+def test_prefill_rates_next_to_mlx_lm(quick):
+    result, _ = quick
+    prefill = result["prefill"]
+    assert prefill["contexts"] == [1024] and prefill["skipped"] == []
+    (row,) = prefill["rows"]
+    assert row["context"] == 1024 and row["agentfold"]["backend"] in ("torch", "mlx")
+    assert row["agentfold"]["tokens"] == row["mlx_lm"]["tokens"] == 1024
+    assert row["agentfold"]["tps"] > 0 and row["mlx_lm"]["tps"] > 0 and row["ratio"] > 0
+    assert result["summary"]["prefill_ratios"] == {"1024": row["ratio"]}
