@@ -225,7 +225,7 @@ def bench_agent(model: str | None = None, out: str | Path | None = "bench-result
                 seed: int = 0, dtype: str = "float32", progress: Callable[[str], None] | None = None,
                 prefill_contexts: Sequence[int] | None = None) -> dict[str, Any]:
     """Run the three phases, the stall check and the prefill rates; return the result (written as JSON
-    to `out` unless it is None). `prefill_contexts`: default 1K, 4K, 16K (quick: 1K)."""
+    to `out` unless it is None). `prefill_contexts`: default 1K, 4K, 16K (quick: 256)."""
     from agentfold.engine.mlx.loader import load_model
     from agentfold.serve.models import resolve
 

@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> None:
     agent.add_argument("--quick", action="store_true", help="tiny tool results, shorter replies, 2 restart turns")
     agent.add_argument("--seed", type=int, default=0, help="picks the stdlib files of the transcript")
     agent.add_argument("--prefill-contexts", help="prompt sizes in tokens for the prefill rates, comma-separated "
-                       "(default 1024,4096,16384; --quick: 1024)")
+                       "(default 1024,4096,16384; --quick: 256)")
     agent.add_argument("--out", required=True, help="JSON file to write")
     suite = bench_sub.add_parser("all", help="agent workloads through the HTTP server against baselines, with a report")
     add_model_file_args(suite)

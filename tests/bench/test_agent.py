@@ -109,9 +109,9 @@ def test_a_decoding_client_does_not_stall_beside_a_long_prefill(quick):
 def test_prefill_rates_next_to_mlx_lm(quick):
     result, _ = quick
     prefill = result["prefill"]
-    assert prefill["contexts"] == [1024] and prefill["skipped"] == []
+    assert prefill["contexts"] == [256] and prefill["skipped"] == []
     (row,) = prefill["rows"]
-    assert row["context"] == 1024 and row["agentfold"]["backend"] in ("torch", "mlx")
-    assert row["agentfold"]["tokens"] == row["mlx_lm"]["tokens"] == 1024
+    assert row["context"] == 256 and row["agentfold"]["backend"] in ("torch", "mlx")
+    assert row["agentfold"]["tokens"] == row["mlx_lm"]["tokens"] == 256
     assert row["agentfold"]["tps"] > 0 and row["mlx_lm"]["tps"] > 0 and row["ratio"] > 0
-    assert result["summary"]["prefill_ratios"] == {"1024": row["ratio"]}
+    assert result["summary"]["prefill_ratios"] == {"256": row["ratio"]}
