@@ -238,8 +238,8 @@ class Engine:
                        drafter=(fork() if fork is not None else self.drafter) if drafting else None,  # per-reply state
                        constraint=GrammarConstraint(self.tokenizer, config.grammar) if config.grammar else None)
         while reply.finish is None:
-            drafts = self._propose(reply, config)
-            new_tokens = self._pass(reply, drafts, cache, config, stats, started)
+            drafts, draft_seconds = self._propose(reply, config)
+            new_tokens = self._pass(reply, drafts, draft_seconds, cache, config, stats, started)
             yield Delta(new_tokens, reply.stream_text(config.stop))
 
         stats.completion_tokens = len(reply.emitted)
@@ -265,21 +265,20 @@ class Engine:
                 on_prefill(cache)
             stats.prefill_seconds += time.perf_counter() - began
 
-    def _propose(self, reply: _Reply, config: GenerationConfig) -> list[int]:
-        """The drafter's guesses for the next pass, as many as the depth controller finds worth it."""
+    def _propose(self, reply: _Reply, config: GenerationConfig) -> tuple[list[int], float]:
+        """The drafter's guesses for the next pass, as many as the depth controller finds worth it,
+        and the seconds they took."""
         room = config.max_tokens - len(reply.emitted) - 1
-        reply.draft_seconds = 0.0
         if reply.drafter is None or room <= 0:
-            return []
+            return [], 0.0
         depth = self.controller.depth(room)
         if not depth:
-            return []
+            return [], 0.0
         began = time.perf_counter()
         drafts = reply.drafter.propose(reply.history, depth, config.params)[:depth]
-        reply.draft_seconds = time.perf_counter() - began
-        return drafts
+        return drafts, time.perf_counter() - began
 
-    def _pass(self, reply: _Reply, drafts: list[int], cache: CacheState, config: GenerationConfig,
+    def _pass(self, reply: _Reply, drafts: list[int], draft_seconds: float, cache: CacheState, config: GenerationConfig,
               stats: DecodeStats, started: float) -> list[int]:
         """One verify pass: forward the pending token and the drafts, commit what serial decoding
         would have, roll the cache back to it, and return the committed tokens."""
@@ -298,7 +297,7 @@ class Engine:
         stats.accepted += accepted
         self.controller.observe_pass(len(drafts) + 1, seconds)
         if reply.drafter is not None:
-            self.controller.observe_drafts(len(drafts), accepted, reply.draft_seconds)
+            self.controller.observe_drafts(len(drafts), accepted, draft_seconds)
         now = time.perf_counter() - started
         kept = reply.commit(committed, now, config, self.eos_token_ids, stats)
         if kept < len(committed) and checkpoint is not None:  # the reply ended inside this pass
@@ -343,7 +342,6 @@ class _Reply:
     emitted: list[int] = field(default_factory=list)
     finish: str | None = None
     sent: int = 0  # characters of detok.text already streamed
-    draft_seconds: float = 0.0
 
     def commit(self, committed: list[int], now: float, config: GenerationConfig, eos: set[int],
                stats: DecodeStats) -> int:

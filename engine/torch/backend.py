@@ -60,16 +60,13 @@ class TorchBackend:
     def new_cache(self) -> CacheState:
         return CacheState(self.model.make_cache())
 
-    def _run(self, tokens: Sequence[int], cache: CacheState, logits: bool) -> torch.Tensor | None:
-        with torch.inference_mode():
-            ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
-            out = self.model(ids, cache.layers, cache.length, logits=logits)
-        cache.tokens.extend(int(t) for t in tokens)
-        return out
-
     def forward(self, tokens: Sequence[int], cache: CacheState) -> np.ndarray:
         """Logits (float32, [rows, vocab]) of a pass that appends `tokens` to `cache`."""
-        return self._run(tokens, cache, logits=True).float().cpu().numpy()
+        with torch.inference_mode():
+            ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
+            logits = self.model(ids, cache.layers, cache.length)
+        cache.tokens.extend(int(t) for t in tokens)
+        return logits.float().cpu().numpy()
 
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`; logits are never computed."""
