@@ -16,7 +16,8 @@ fi
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
+# PYTHONWARNINGS: setuptools' notes on editable installs are not the user's to act on.
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e '.[test]'
 # The torch backend (CPU build from the local wheel where one is provided; pin it so pip never
 # trades it for a multi-GB CUDA build) and Triton, whose interpreter runs the kernel tests on CPU.
 .venv/bin/python -m pip install -q "torch==${AGENTFOLD_TORCH_VERSION:-2.13.0}"
