@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from agentfold.chat.tool_calls import TextPiece, ToolCallParser, parse_output
 from agentfold.chat.tools import ToolCall, ToolSpec
 from agentfold.engine.decode import Engine, GenerationConfig
 from agentfold.engine.sampler import SamplingParams
-from agentfold.serve.scheduler import Runtime, TurnCancelled, TurnRequest
+from agentfold.serve.scheduler import Runtime, RuntimeClosed, TurnCancelled, TurnRequest
 from tests.conftest import chat_ids
 
 WEATHER = ToolSpec("get_weather", "Get the current weather for a city.",
@@ -220,3 +221,45 @@ def test_a_long_prefill_runs_in_scheduled_chunks(smollm2_engine, references):
     assert long_turn.prefill_passes == (len(chunked.plan(0, len(long_ids) - 1)) + 1) * layers
     assert short_turn.finished_at < long_turn.first_delta_at  # it ran between the long prefill's chunks
     assert drafted.stats.prefill_seconds < drafted.stats.ttft_seconds  # its own chunks, not the waits
+
+
+def _long_prefill(smollm2_engine) -> tuple[Engine, list[int]]:
+    """An engine with 32-token chunks and a prompt of 20+ chunks: hundreds of scheduled prefill steps."""
+    chunked = Engine(smollm2_engine.backend, smollm2_engine.tokenizer, smollm2_engine.eos_token_ids,
+                     drafter=smollm2_engine.drafter, exactness=smollm2_engine.exactness, chunk_size=32)
+    source = Path(__file__).read_text()[:3000]
+    return chunked, chat_ids(chunked.tokenizer, "Summarize the file above.", system=source)
+
+
+def _wait_for_prefill(turn, steps: int, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while turn.prefill_passes < steps:
+        assert time.monotonic() < deadline, "the prefill did not start"
+        time.sleep(0.005)
+    return turn.prefill_passes
+
+
+def test_a_prefill_stops_within_one_step_when_its_client_leaves_or_the_server_closes(smollm2_engine):
+    """Codex's first turn went on prefilling for minutes after Codex exited: cancel and close are
+    checked between the prefill's layer steps, so neither waits for the rest of the prompt."""
+    chunked, long_ids = _long_prefill(smollm2_engine)
+    layers = len(chunked.backend.new_cache().layers)
+    total_steps = len(chunked.plan(0, len(long_ids) - 1)) * layers
+    assert total_steps > 200
+    runtime = Runtime(chunked, "m", max_active=2)
+    try:
+        leaving = runtime.submit(TurnRequest(long_ids, GenerationConfig(max_tokens=8)))
+        seen = _wait_for_prefill(leaving, 3)
+        leaving.cancel()
+        with pytest.raises(TurnCancelled):
+            leaving.result(timeout=30)
+        assert leaving.prefill_passes <= seen + 1 and leaving.completion is None
+        closing = runtime.submit(TurnRequest(long_ids, GenerationConfig(max_tokens=8)))
+        seen = _wait_for_prefill(closing, 3)
+        started = time.monotonic()
+    finally:
+        runtime.close()
+    assert time.monotonic() - started < 5.0
+    with pytest.raises(RuntimeClosed):
+        closing.result(timeout=5)
+    assert closing.prefill_passes <= seen + 1
