@@ -13,6 +13,7 @@ if [ "$(uname)" = "Linux" ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0
     echo "[setup] note: install libopenblas0-pthread for fast CPU decoding (sudo apt-get install libopenblas0-pthread)"
   fi
 fi
+[ "$(uname)" = "Linux" ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && { echo "[setup] installing chromium (the dashboard's browser test)"; (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || echo "[setup] note: chromium not installed; the dashboard's browser test will skip"; } || true
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip

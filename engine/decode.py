@@ -10,7 +10,9 @@ proposed: drafting changes how many passes a reply takes, never the reply.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from agentfold.engine.constraints import GrammarConstraint
 from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import Drafter
 from agentfold.engine.protocol import Backend, CacheState
-from agentfold.engine.sampler import SamplingParams, choose
+from agentfold.engine.sampler import SamplingParams, TokenLogprob, choose, token_logprob
 from agentfold.engine.selfcheck import ExactnessReport
 
 PrefillObserver = Callable[[CacheState], None]
@@ -41,10 +43,13 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     draft: bool = True
     grammar: str | None = None  # llguidance (Lark) grammar every row is masked with
+    logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its row's N most likely
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, not {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be None or >= 0, not {self.logprobs}")
 
 
 @dataclass
@@ -104,6 +109,7 @@ class Completion:
     text: str
     finish_reason: str  # stop | length
     stats: DecodeStats
+    logprobs: list[TokenLogprob] | None = None  # one per token when the config asked (config.logprobs)
 
     @property
     def token_sha(self) -> str:
@@ -145,12 +151,45 @@ class Detokenizer:
         return delta
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE piece uses -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes, strict=True)}
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """A token's own bytes (a piece may hold part of a UTF-8 character, which its text cannot show)."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if isinstance(piece, str):
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte:  # sentencepiece byte fallback
+            return bytes([int(byte.group(1), 16)])
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        table = _byte_decoder()
+        if "ByteLevel" in type(decoder).__name__ and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        if "\u2581" in piece:  # sentencepiece's word marker is a space
+            return piece.replace("\u2581", " ").encode("utf-8")
+    return tokenizer.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+
+
 @dataclass
 class Delta:
-    """Newly committed tokens and the text they completed."""
+    """Newly committed tokens and the text they completed (and their logprobs, when asked)."""
 
     tokens: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Generation:
@@ -240,14 +279,16 @@ class Engine:
         while reply.finish is None:
             drafts, draft_seconds = self._propose(reply, config)
             new_tokens = self._pass(reply, drafts, draft_seconds, cache, config, stats, started)
-            yield Delta(new_tokens, reply.stream_text(config.stop))
+            logprobs = reply.logprobs[len(reply.logprobs) - len(new_tokens):] if config.logprobs is not None else None
+            yield Delta(new_tokens, reply.stream_text(config.stop), logprobs)
 
         stats.completion_tokens = len(reply.emitted)
         stats.total_seconds = time.perf_counter() - started
         stats.decode_seconds = stats.total_seconds - stats.ttft_seconds
         if offload is not None:
             stats.offload = offload.report(offload_mark)
-        return Completion(reply.emitted, reply.detok.text, reply.finish, stats)
+        return Completion(reply.emitted, reply.detok.text, reply.finish, stats,
+                          reply.logprobs if config.logprobs is not None else None)
 
     def _prefill(self, prompt: Sequence[int], cache: CacheState, cuts: Sequence[int],
                  on_prefill: PrefillObserver | None, stats: DecodeStats) -> Iterator[Delta]:
@@ -287,6 +328,8 @@ class Engine:
         began = time.perf_counter()
         logits = self.backend.forward([reply.history[-1], *drafts], cache)
         committed = self._verify(logits, drafts, base, config.params, reply.constraint, stats)
+        # the rows that chose the committed tokens, copied before a rollback's replay can reuse the buffer
+        chosen_rows = logits[: len(committed)].copy() if config.logprobs is not None else None
         accepted = len(committed) - 1
         if checkpoint is not None:
             self.backend.rollback(cache, checkpoint, accepted + 1)
@@ -305,6 +348,9 @@ class Engine:
         if len(reply.emitted) == kept:
             stats.ttft_seconds = now
             stats.first_pass_tokens = kept
+        if chosen_rows is not None:  # row j chose committed[j]: its logprobs come from that row
+            reply.logprobs.extend(token_logprob(chosen_rows[j], token, config.logprobs or 0)
+                                  for j, token in enumerate(committed[:kept]))
         return committed[:kept]
 
     def _verify(self, logits, drafts: list[int], base: int, params: SamplingParams,
@@ -340,6 +386,7 @@ class _Reply:
     drafter: Drafter | None
     constraint: GrammarConstraint | None
     emitted: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per emitted token, when the config asks
     finish: str | None = None
     sent: int = 0  # characters of detok.text already streamed
 

@@ -107,3 +107,37 @@ def choose(logits: np.ndarray, position: int, params: SamplingParams) -> int:
     ids = candidates(logits, params)
     scores = logits[ids].astype(np.float64) / params.temperature + gumbel(params.seed, position, ids)
     return int(ids[int(np.argmax(scores))])
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability and the most likely tokens of its row (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
+    """log_softmax of the row that chose `token`, at `token`, and the row's `top` most likely tokens.
+
+    This is the model's own distribution, as OpenAI reports it: the logits the sampler read, with
+    no temperature, no top-k / top-p / min-p truncation and no grammar mask applied (the chosen
+    token of a temperature or grammar draw may therefore not be the top one). The arithmetic is
+    float64 and depends only on the row, computed the same way for every row, so a row that is
+    bit-identical in a drafted pass and in a serial step gives bit-identical logprobs. Ties in
+    `top` go to the lowest id, like greedy choice.
+    """
+    row = np.array(logits, dtype=np.float64)  # a fresh contiguous copy: same layout for every row
+    shifted = row - row.max()
+    log_total = float(np.log(np.exp(shifted).sum()))
+    logprobs = shifted - log_total
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        count = min(top, row.shape[0])
+        head = np.argpartition(-logprobs, count - 1)[:count] if count < row.shape[0] else np.arange(row.shape[0])
+        cut = logprobs[head].min()
+        head = np.flatnonzero(logprobs >= cut)  # every token tied with the last one: ties by lowest id
+        order = np.lexsort((head, -logprobs[head]))[:count]
+        best = tuple((int(head[i]), float(logprobs[head[i]])) for i in order)
+    return TokenLogprob(int(token), float(logprobs[int(token)]), best)

@@ -5,6 +5,10 @@ chunk with the role, content chunks, tool-call deltas that carry `index` on ever
 `id` / `type` / `name` only on a call's first, a final chunk with `finish_reason` (and the
 `timings` / `agentfold` telemetry), a usage chunk with `choices: []` only when
 `stream_options.include_usage` asked for it, then `data: [DONE]`.
+
+`logprobs` (chat: `logprobs` / `top_logprobs`; completions: `logprobs: N`) come from the very row
+of logits that chose each token (`engine.sampler.token_logprob`), so a drafted reply's logprobs
+equal the serial reply's bit for bit. Image, audio and file parts are a 400: the model reads text.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from agentfold import __version__
 from agentfold.chat.plan import ChatPlan, check_schema, parse_tool_choice
 from agentfold.chat.tool_calls import TextPiece
 from agentfold.chat.tools import ToolCall, ToolSpec
+from agentfold.engine.decode import Delta, token_bytes
+from agentfold.engine.sampler import TokenLogprob
 from agentfold.http.errors import ApiError
 from agentfold.http.fields import (
     get_bool,
@@ -31,6 +37,7 @@ from agentfold.http.fields import (
     read_turn_fields,
 )
 from agentfold.http.stream import SSE_HEADERS, Outcome, collect, drive, new_id, now, prepare, sse
+from agentfold.serve.chat_turn import PreparedTurn
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +54,17 @@ def openai_error(error: ApiError) -> JSONResponse:
 # Request parsing (shared with the Responses API where the shapes agree)
 # ---------------------------------------------------------------------------------------------
 
-def content_text(content: Any, where: str) -> str:
-    """Message content (string, or array of text / image parts) as text; images are dropped."""
+# Content parts a text-only model cannot read (OpenAI Chat Completions and Responses names).
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file", "input_file", "video_url")
+
+
+def content_text(content: Any, where: str, text_only: bool = False) -> str:
+    """Message content (string, or array of text parts) as text.
+
+    With `text_only`, an image / audio / file part is a 400 naming the part: the served models
+    read text only, and dropping the part would answer a question about an image the model never
+    saw. Without it (the Responses API's current use) such parts are skipped.
+    """
     if content is None:
         return ""
     if isinstance(content, str):
@@ -60,15 +76,24 @@ def content_text(content: Any, where: str) -> str:
                 parts.append(part)
             elif isinstance(part, dict):
                 text = part.get("text")
+                kind = part.get("type") or next((key for key in MEDIA_PARTS if key in part), None)
+                if text_only and kind in MEDIA_PARTS:
+                    raise _media_error(kind, f"{where}[{j}]")
                 if isinstance(text, str):
                     parts.append(text)
                 elif part.get("type") in ("text", "input_text", "output_text"):
                     raise ApiError(f"'{where}[{j}].text' must be a string.", param=where)
-                # image / audio / file parts: this is a text-only model
             else:
                 raise ApiError(f"'{where}[{j}]' must be an object, not {type(part).__name__}.", param=where)
         return "\n".join(parts)
     raise ApiError(f"'{where}' must be a string or an array of content parts.", param=where)
+
+
+def _media_error(kind: Any, where: str) -> ApiError:
+    """400 for a content part the model cannot read (an image, audio, a file)."""
+    return ApiError(f"'{where}' is a content part of type {json.dumps(kind)}, but the served model is "
+                    "text-only: it reads text parts only. Describe the content in a text part instead.",
+                    code="unsupported_content", param=where)
 
 
 def parse_messages(value: Any) -> list[dict[str, Any]]:
@@ -85,7 +110,7 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise ApiError(f"'{where}.role' must be one of {', '.join(ROLES)}, not {json.dumps(role)}.",
                            param=f"{where}.role")
-        text = content_text(message.get("content"), f"{where}.content")
+        text = content_text(message.get("content"), f"{where}.content", text_only=True)
         entry: dict[str, Any] = {"role": "tool" if role == "function" else role, "content": text}
         if role == "assistant" and message.get("tool_calls") is not None:
             calls = message["tool_calls"]
@@ -194,6 +219,82 @@ def usage_block(outcome: Outcome) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Logprobs (Chat Completions `logprobs` / `top_logprobs`, Completions `logprobs: N`)
+# ---------------------------------------------------------------------------------------------
+
+MAX_TOP_LOGPROBS = 20
+
+
+def chat_logprobs(body: dict[str, Any]) -> int | None:
+    """How many alternatives per token the reply reports (None: no logprobs)."""
+    wanted = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not wanted:
+        raise ApiError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def ask_logprobs(prepared: PreparedTurn, count: int | None) -> None:
+    """Have the engine compute logprobs for this turn (each from the row that chose its token)."""
+    prepared.request.config.logprobs = count
+
+
+def _token_json(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    raw = token_bytes(tokenizer, token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def chat_logprobs_block(runtime: Any, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI's `choices[].logprobs` of Chat Completions for these tokens (an end-of-turn token is left out)."""
+    if entries is None:
+        return None
+    tokenizer, eos = runtime.tokenizer, runtime.engine.eos_token_ids
+    content = [{**_token_json(tokenizer, e.token, e.logprob),
+                "top_logprobs": [_token_json(tokenizer, t, lp) for t, lp in e.top]}
+               for e in entries if e.token not in eos]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs_block(runtime: Any, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """The legacy Completions `logprobs` object; `text_offset` counts from the reply's start (+ `offset`)."""
+    if entries is None:
+        return None
+    tokenizer, eos = runtime.tokenizer, runtime.engine.eos_token_ids
+    block: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in (e for e in entries if e.token not in eos):
+        text = _token_json(tokenizer, entry.token, entry.logprob)["token"]
+        block["tokens"].append(text)
+        block["token_logprobs"].append(entry.logprob)
+        block["top_logprobs"].append({_token_json(tokenizer, t, lp)["token"]: lp for t, lp in entry.top})
+        block["text_offset"].append(offset)
+        offset += len(text)
+    return block
+
+
+class LogprobStream:
+    """Logprobs for a streamed reply: each Delta's as it comes (when the stream passes Deltas on),
+    and what is left with the final chunk, so the chunks together carry every token's."""
+
+    def __init__(self, count: int | None) -> None:
+        self.enabled = count is not None
+        self.pending: list[TokenLogprob] = []
+        self.sent = 0
+
+    def add(self, delta: Delta) -> None:
+        self.pending.extend(delta.logprobs or [])
+
+    def take(self, outcome: Outcome | None = None) -> list[TokenLogprob] | None:
+        """The entries not yet streamed (at the end: every one the Outcome has that was not)."""
+        if not self.enabled:
+            return None
+        if outcome is not None:
+            self.pending = list((outcome.completion.logprobs or [])[self.sent:])
+        taken, self.pending = self.pending, []
+        self.sent += len(taken)
+        return taken or None
+
+
+# ---------------------------------------------------------------------------------------------
 # /v1/chat/completions
 # ---------------------------------------------------------------------------------------------
 
@@ -212,55 +313,68 @@ def chat_plan(body: dict[str, Any], request: Request) -> ChatPlan:
 async def chat_completions(server, request: Request, body: dict[str, Any]):
     plan = chat_plan(body, request)
     usage_wanted = include_usage(body)
+    logprobs = chat_logprobs(body)
     prepared = prepare(server.runtime, plan, "chat", request, server.default_max_tokens)
+    ask_logprobs(prepared, logprobs)
     model = plan.model or server.runtime.model_id
     chat_id, created = new_id("chatcmpl-"), now()
-    if not plan.stream:
-        outcome = await collect(server.runtime, prepared, request)
-        calls = [_call_json(call) for call in outcome.calls]
-        message: dict[str, Any] = {"role": "assistant", "content": (outcome.content or None) if calls else outcome.content}
-        if calls:
-            message["tool_calls"] = calls
-        return JSONResponse({
-            "id": chat_id, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": FINGERPRINT,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": outcome.finish}],
-            "usage": usage_block(outcome), "timings": outcome.timings, "agentfold": outcome.agentfold,
-        })
+    if plan.stream:
+        head = {"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "system_fingerprint": FINGERPRINT}
+        events = _chat_events(server, prepared, request, head, usage_wanted, LogprobStream(logprobs))
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    outcome = await collect(server.runtime, prepared, request)
+    calls = [_call_json(call) for call in outcome.calls]
+    message: dict[str, Any] = {"role": "assistant", "content": (outcome.content or None) if calls else outcome.content}
+    if calls:
+        message["tool_calls"] = calls
+    return JSONResponse({
+        "id": chat_id, "object": "chat.completion", "created": created, "model": model,
+        "system_fingerprint": FINGERPRINT,
+        "choices": [{"index": 0, "message": message,
+                     "logprobs": chat_logprobs_block(server.runtime, outcome.completion.logprobs),
+                     "finish_reason": outcome.finish}],
+        "usage": usage_block(outcome), "timings": outcome.timings, "agentfold": outcome.agentfold,
+    })
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        return sse({"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "system_fingerprint": FINGERPRINT,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
 
-    async def events() -> AsyncIterator[str]:
-        yield chunk({"role": "assistant", "content": ""})
-        index = 0
-        try:
-            async for item in drive(server.runtime, prepared, request):
-                if isinstance(item, TextPiece):
-                    yield chunk({"content": item.text})
-                elif isinstance(item, ToolCall):
-                    item.id = item.id or new_id("call_")
-                    yield chunk({"tool_calls": [{"index": index, "id": item.id, "type": "function",
-                                                 "function": {"name": item.name, "arguments": ""}}]})
-                    yield chunk({"tool_calls": [{"index": index, "function": {"arguments": item.arguments}}]})
-                    index += 1
-                else:
-                    yield chunk({}, item.finish, timings=item.timings, agentfold=item.agentfold)
-                    if usage_wanted:
-                        yield sse({"id": chat_id, "object": "chat.completion.chunk", "created": created,
-                                   "model": model, "system_fingerprint": FINGERPRINT, "choices": [],
-                                   "usage": usage_block(item), "timings": item.timings, "agentfold": item.agentfold})
-        except ApiError as error:
-            yield sse({"error": {"message": error.message, "type": error.type, "code": error.code, "param": error.param}})
-        except Exception as error:  # mid-stream: the status is already sent, so say it in the stream
-            log.exception("chat stream failed")
-            yield sse({"error": {"message": f"generation failed: {error}", "type": "server_error", "code": None,
-                                 "param": None}})
-        yield sse("[DONE]")
+async def _chat_events(server, prepared: PreparedTurn, request: Request, head: dict[str, Any], usage_wanted: bool,
+                       logprobs: LogprobStream) -> AsyncIterator[str]:
+    """The chat.completion.chunk stream of one turn (see the module docstring for its shape)."""
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    def chunk(delta: dict[str, Any], finish: str | None = None, entries: list[TokenLogprob] | None = None,
+              **extra: Any) -> str:
+        block = chat_logprobs_block(server.runtime, entries)
+        return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": block, "finish_reason": finish}],
+                    **extra})
+
+    yield chunk({"role": "assistant", "content": ""})
+    index = 0
+    try:
+        async for item in drive(server.runtime, prepared, request):
+            if isinstance(item, Delta):
+                logprobs.add(item)
+            elif isinstance(item, TextPiece):
+                yield chunk({"content": item.text}, entries=logprobs.take())
+            elif isinstance(item, ToolCall):
+                item.id = item.id or new_id("call_")
+                yield chunk({"tool_calls": [{"index": index, "id": item.id, "type": "function",
+                                             "function": {"name": item.name, "arguments": ""}}]})
+                yield chunk({"tool_calls": [{"index": index, "function": {"arguments": item.arguments}}]})
+                index += 1
+            else:
+                yield chunk({}, item.finish, entries=logprobs.take(item), timings=item.timings,
+                            agentfold=item.agentfold)
+                if usage_wanted:
+                    yield sse({**head, "choices": [], "usage": usage_block(item), "timings": item.timings,
+                               "agentfold": item.agentfold})
+    except ApiError as error:
+        yield sse({"error": {"message": error.message, "type": error.type, "code": error.code, "param": error.param}})
+    except Exception as error:  # mid-stream: the status is already sent, so say it in the stream
+        log.exception("chat stream failed")
+        yield sse({"error": {"message": f"generation failed: {error}", "type": "server_error", "code": None,
+                             "param": None}})
+    yield sse("[DONE]")
 
 
 def _call_json(call: ToolCall) -> dict[str, Any]:
@@ -284,7 +398,7 @@ def _raw_prompt(value: Any) -> str | list[int]:
     raise ApiError("'prompt' must be a string (or an array of token ids).", param="prompt")
 
 
-async def completions(server, request: Request, body: dict[str, Any]):
+def completions_plan(server, body: dict[str, Any], request: Request) -> ChatPlan:
     if "prompt" not in body:
         raise ApiError("'prompt' is required.", param="prompt")
     plan = ChatPlan(messages=[], raw_prompt=_raw_prompt(body.get("prompt")))
@@ -293,38 +407,50 @@ async def completions(server, request: Request, body: dict[str, Any]):
     if plan.max_tokens is None and body.get("n_predict") is None:
         plan.max_tokens = 16  # the OpenAI default for this endpoint
     plan.stop = get_stop(body, "stop")
-    usage_wanted = include_usage(body)
     if isinstance(plan.raw_prompt, list):
         vocab = server.runtime.engine.backend.vocab_size
         if vocab and any(t < 0 or t >= vocab for t in plan.raw_prompt):
             raise ApiError(f"'prompt' holds token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
+    return plan
+
+
+async def completions(server, request: Request, body: dict[str, Any]):
+    plan = completions_plan(server, body, request)
+    usage_wanted = include_usage(body)
+    logprobs = get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     prepared = prepare(server.runtime, plan, "completions", request, server.default_max_tokens)
+    ask_logprobs(prepared, logprobs)
     model = plan.model or server.runtime.model_id
-    cmpl_id, created = new_id("cmpl-"), now()
+    head = {"id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": model,
+            "system_fingerprint": FINGERPRINT}
     if not plan.stream:
         outcome = await collect(server.runtime, prepared, request)
-        return JSONResponse({
-            "id": cmpl_id, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": FINGERPRINT,
-            "choices": [{"index": 0, "text": outcome.content, "logprobs": None, "finish_reason": outcome.finish}],
-            "usage": usage_block(outcome), "timings": outcome.timings, "agentfold": outcome.agentfold,
-        })
+        block = completion_logprobs_block(server.runtime, outcome.completion.logprobs)
+        return JSONResponse({**head, "choices": [{"index": 0, "text": outcome.content, "logprobs": block,
+                                                  "finish_reason": outcome.finish}],
+                             "usage": usage_block(outcome), "timings": outcome.timings, "agentfold": outcome.agentfold})
+    stream = LogprobStream(logprobs)
 
-    def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
-        return sse({"id": cmpl_id, "object": "text_completion", "created": created, "model": model,
-                    "system_fingerprint": FINGERPRINT,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra})
+    def chunk(text: str, offset: int, finish: str | None = None, entries: list[TokenLogprob] | None = None,
+              **extra: Any) -> str:
+        block = completion_logprobs_block(server.runtime, entries, offset)
+        return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": block, "finish_reason": finish}],
+                    **extra})
 
     async def events() -> AsyncIterator[str]:
+        offset = 0  # characters streamed so far: where the next chunk's tokens start
         try:
             async for item in drive(server.runtime, prepared, request):
-                if isinstance(item, TextPiece):
-                    yield chunk(item.text)
+                if isinstance(item, Delta):
+                    stream.add(item)
+                elif isinstance(item, TextPiece):
+                    yield chunk(item.text, offset, entries=stream.take())
+                    offset += len(item.text)
                 elif isinstance(item, Outcome):
-                    yield chunk("", item.finish, timings=item.timings, agentfold=item.agentfold)
+                    yield chunk("", offset, item.finish, entries=stream.take(item), timings=item.timings,
+                                agentfold=item.agentfold)
                     if usage_wanted:
-                        yield sse({"id": cmpl_id, "object": "text_completion", "created": created, "model": model,
-                                   "choices": [], "usage": usage_block(item)})
+                        yield sse({**head, "choices": [], "usage": usage_block(item)})
         except Exception as error:
             log.exception("completion stream failed")
             yield sse({"error": {"message": f"generation failed: {error}", "type": "server_error", "code": None,
@@ -339,19 +465,24 @@ async def completions(server, request: Request, body: dict[str, Any]):
 # ---------------------------------------------------------------------------------------------
 
 def models(server) -> dict[str, Any]:
-    """OpenAI's list (`data`), Anthropic's fields on the same entries, and Codex's `models` cards."""
+    """OpenAI's list (`data`), Anthropic's fields on the same entries, and Codex's `models` cards.
+
+    One entry per model, its other names in `aliases` (listing each name as a model made clients
+    and `agentfold integrate` offer one model three times). Codex looks its model up by slug, so
+    every alias keeps a card, hidden from its model picker (`visibility: "hide"`).
+    """
     runtime = server.runtime
     created = int(runtime.started_at)
     iso = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    data = [{"id": name, "object": "model", "type": "model", "created": created, "created_at": iso,
+    data = [{"id": runtime.model_id, "object": "model", "type": "model", "created": created, "created_at": iso,
              "owned_by": "agentfold", "display_name": runtime.model_id, "context_length": runtime.context_length,
-             "aliases": [n for n in runtime.model_names if n != name]} for name in runtime.model_names]
+             "aliases": list(runtime.aliases)}]
     cards = [{"slug": name, "display_name": name, "description": f"{runtime.model_id} served by AgentFold",
               "context_window": runtime.context_length, "max_context_window": runtime.context_length,
               "default_reasoning_level": None, "supported_reasoning_levels": [], "shell_type": "shell_command",
-              "visibility": "list", "supported_in_api": True, "priority": 0, "upgrade": None,
-              "base_instructions": None, "supports_reasoning_summaries": False, "support_verbosity": False,
-              "default_verbosity": None, "apply_patch_tool_type": None, "input_modalities": ["text"],
-              "supports_parallel_tool_calls": True} for name in runtime.model_names]
+              "visibility": "list" if name == runtime.model_id else "hide", "supported_in_api": True,
+              "priority": 0, "upgrade": None, "base_instructions": None, "supports_reasoning_summaries": False,
+              "support_verbosity": False, "default_verbosity": None, "apply_patch_tool_type": None,
+              "input_modalities": ["text"], "supports_parallel_tool_calls": True} for name in runtime.model_names]
     return {"object": "list", "data": data, "models": cards, "has_more": False,
             "first_id": data[0]["id"], "last_id": data[-1]["id"]}

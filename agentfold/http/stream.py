@@ -125,8 +125,11 @@ async def _watch_disconnect(request: Request, turn: Turn) -> None:
 
 
 async def drive(runtime: Runtime, prepared: PreparedTurn,
-                request: Request) -> AsyncIterator[TextPiece | ToolCall | Outcome]:
+                request: Request) -> AsyncIterator[TextPiece | ToolCall | Delta | Outcome]:
     """Submit a prepared turn; yield content text and tool calls as they settle, then the Outcome.
+
+    A turn whose config asks for logprobs (only Chat Completions / Completions set it) also gets
+    each Delta that carries them, ahead of that delta's text.
 
     Whatever way the consumer stops early (client gone, task cancelled), the turn is cancelled,
     so the worker drops it before its next verify pass.
@@ -143,6 +146,8 @@ async def drive(runtime: Runtime, prepared: PreparedTurn,
     try:
         async for event in _events(turn):
             if isinstance(event, Delta):
+                if event.logprobs:  # only turns that asked for logprobs (config.logprobs) carry them
+                    yield event
                 for piece in parser.feed(event.text):
                     yield piece
                 continue

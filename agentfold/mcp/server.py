@@ -14,13 +14,16 @@ them over stdio (see `agentfold.cli.ops`).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from mcp.server import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE, TransportSecuritySettings
 from mcp.types import ToolAnnotations
+from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
@@ -39,9 +42,73 @@ DESTRUCTIVE = ToolAnnotations(read_only_hint=False, destructive_hint=True, idemp
                               open_world_hint=False)
 
 
+class AgentFoldMCP(MCPServer):
+    """The SDK's server, strict about arguments: nothing a client sends is silently dropped.
+
+    An argument no tool parameter takes is a tool error naming it (pydantic would ignore it, so
+    `list_snapshots(sesion_id=...)` would list everything), and a value the input schema rejects is
+    one readable line (which argument, what is wrong, what was sent) instead of pydantic's
+    multi-line report.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_arguments: dict[str, tuple[str, ...]] = {}  # tool name -> the arguments it takes
+
+    def add_checked_tool(self, fn: Callable[..., Any], annotations: ToolAnnotations) -> None:
+        """Register `fn` as a tool and remember the argument names it accepts."""
+        self.tool(annotations=annotations)(fn)
+        self.tool_arguments[fn.__name__] = tuple(
+            name for name, parameter in inspect.signature(fn).parameters.items()
+            if name not in ("self", "ctx") and parameter.kind is not inspect.Parameter.VAR_KEYWORD)
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        known = self.tool_arguments.get(name)
+        unknown = sorted(set(arguments) - set(known)) if known is not None else []
+        if unknown:
+            takes = ", ".join(known) or "no arguments"
+            raise ToolError(f"{name}: unknown argument{'s' if len(unknown) > 1 else ''} "
+                            f"{', '.join(repr(u) for u in unknown)}; it takes: {takes}.")
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as error:
+            cause = error.__cause__
+            if isinstance(error, UnexpectedToolError) or not isinstance(cause, ValidationError):
+                raise
+            raise ToolError(readable_validation(name, cause)) from cause
+
+
+def readable_validation(tool: str, error: ValidationError) -> str:
+    """A pydantic report on a tool's arguments as one line: each argument and what is wrong with it."""
+    problems: list[str] = []
+    for item in error.errors(include_url=False):
+        where = _location(item.get("loc", ()))
+        if item.get("type") == "missing":
+            problem = f"'{where}' is required"
+        else:
+            message = str(item.get("msg", "is invalid"))
+            problem = f"'{where}': {message[:1].lower()}{message[1:]} (got {_short(item.get('input'))})"
+        if problem not in problems:
+            problems.append(problem)
+    return f"{tool}: invalid arguments: {'; '.join(problems)}."
+
+
+def _location(loc: Sequence[Any]) -> str:
+    """('messages', 0, 'role') -> messages[0].role"""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "arguments"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)  # repr escapes newlines: the line stays one line
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
     """The MCP server for one service: tools, and JSON resources for sessions and turns."""
-    mcp = MCPServer(
+    mcp = AgentFoldMCP(
         name, version=_version(),
         instructions=(f"Local model {service.runtime.model_id} with exact speculative decoding. `generate` replies "
                       "(within a session if you pass session_id); `check_exactness` compares drafted with "
@@ -55,7 +122,7 @@ def build_mcp(service: Service, name: str = "agentfold") -> MCPServer:
             (tools.list_sessions, READ_ONLY), (tools.get_session, READ_ONLY), (tools.fork_session, WRITES),
             (tools.pin_session, IDEMPOTENT_WRITE), (tools.delete_session, DESTRUCTIVE),
             (tools.list_snapshots, READ_ONLY)):
-        mcp.tool(annotations=hints)(tool)
+        mcp.add_checked_tool(tool, hints)
     mcp.resource("agentfold://sessions/{session_id}", name="session", mime_type="application/json",
                  description="A session: its row, index turns and telemetry rows (JSON).")(tools.session_resource)
     mcp.resource("agentfold://turns/{turn_id}", name="turn", mime_type="application/json",

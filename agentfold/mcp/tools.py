@@ -5,9 +5,10 @@ the same session restore and snapshots (cuts from agentfold.serve.chat_turn.plan
 telemetry row (api="mcp") and the same audits.
 
 - Bad input is a tool error (`is_error=True` with a message), never a crash: argument limits are
-  in the input schema (pydantic `Field` constraints, which the SDK reports as validation errors),
-  and what only the service can tell (unknown ids, a prompt longer than the context) becomes a
-  `ToolError` with a readable message.
+  in the input schema (pydantic `Field` constraints; `agentfold.mcp.server.AgentFoldMCP` reports a
+  violation, or an argument no tool takes, as one readable line), and what only the service can
+  tell (unknown ids, a prompt longer than the context, deleting a pinned session without `force`)
+  becomes a `ToolError` with a readable message.
 - Blocking work (SQLite reads, the telemetry writer's flush, snapshot deletion) runs in a worker
   thread, so a slow disk never stalls the event loop that streams other clients' tokens.
 - Reads flush the telemetry writer first: a turn an agent just generated is visible at once.
@@ -224,11 +225,21 @@ class ServiceTools:
             raise ToolError(_message(error)) from error
         return PinResult(session_id=session_id, pinned=pinned)
 
-    async def delete_session(self, session_id: str) -> DeleteResult:
-        """Delete a session, its turns, and the snapshots no other session uses (pinned ones stay)."""
+    async def delete_session(
+        self, session_id: str,
+        force: Annotated[bool, Field(description="delete it even if it is pinned")] = False,
+    ) -> DeleteResult:
+        """Delete a session, its turns, and the snapshots no other session uses.
+
+        A pinned session is kept: deleting one is an error unless force=true (or unpin it first
+        with pin_session(pinned=false)). Pinned snapshots are never deleted.
+        """
 
         def delete() -> list[str]:
-            _session_row(self.service, session_id)
+            row = _session_row(self.service, session_id)
+            if row["pinned"] and not force:
+                raise ToolError(f"session {session_id!r} is pinned, so it was not deleted; unpin it with "
+                                "pin_session(pinned=false) or pass force=true to delete it anyway.")
             return _sessions(self.service).delete(session_id)
 
         try:
@@ -237,9 +248,26 @@ class ServiceTools:
             raise ToolError(_message(error)) from error
         return DeleteResult(session_id=session_id, deleted=True, removed_snapshots=removed)
 
-    async def list_snapshots(self) -> SnapshotList:
+    async def list_snapshots(
+        self,
+        session_id: Annotated[str | None, Field(
+            description="only the snapshots this session's turns name; none: every stored snapshot")] = None,
+    ) -> SnapshotList:
         """Stored KV snapshots, most recently used first, with their size and length."""
-        rows = [_snapshot(r) for r in await _blocking(lambda: _sessions(self.service).list_snapshots())]
+
+        def read() -> list[dict[str, Any]]:
+            manager = _sessions(self.service)
+            rows = manager.list_snapshots()
+            if session_id is None:
+                return rows
+            _session_row(self.service, session_id)
+            named = {t["snapshot_id"] for t in manager.turns(session_id)}
+            return [r for r in rows if r["id"] in named]
+
+        try:
+            rows = [_snapshot(r) for r in await _blocking(read)]
+        except KeyError as error:
+            raise ToolError(_message(error) + "; list_sessions shows the stored ones.") from error
         return SnapshotList(count=len(rows), total_bytes=sum(r["bytes"] for r in rows), snapshots=rows)
 
     # -- resources ----------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Any
 
 from agentfold.engine.decode import Completion, Delta, Engine, Generation, GenerationConfig, first_mismatch
 from agentfold.serve.limits import DEFAULT_MAX_QUEUE
+from agentfold.serve.turn_log import watch_prefill
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ class Runtime:
     def _start(self, request: TurnRequest) -> Generation:
         """Create the generation for a request: the single point to extend."""
         return self.engine.stream(request.prompt, request.config, cache=request.cache, cuts=request.cuts,
-                                  on_prefill=request.on_prefill)
+                                  on_prefill=watch_prefill(request))  # the request's own observer, + progress lines
 
     def _run(self) -> None:
         while True:

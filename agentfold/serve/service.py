@@ -31,6 +31,7 @@ from agentfold.serve import audit
 from agentfold.serve.metrics import Metrics
 from agentfold.serve.scheduler import Runtime, Turn, TurnRequest
 from agentfold.serve.telemetry import TelemetryStore, TurnRecord
+from agentfold.serve.turn_log import log_turn
 from agentfold.sessions import SessionManager
 from agentfold.sessions.index import default_home
 
@@ -134,6 +135,7 @@ class Service:
             return
         if not request.outcome_follows:  # else `_after_response` writes it, with the API's outcome
             self.telemetry.record(record)
+            log_turn(record)
         self.metrics.observe(record)
         if turn.audit != "skipped":
             self.metrics.observe_audit(turn.audit)
@@ -145,6 +147,7 @@ class Service:
         record.finish_reason = turn.finish_reason or record.finish_reason
         record.tool_calls = turn.tool_calls
         self.telemetry.record(record)
+        log_turn(record)
         if self.audit_rate and self._random.random() < self.audit_rate and record.draft_method != "none":
             asyncio.get_running_loop().create_task(self.audit_turn(record.turn_id))
 

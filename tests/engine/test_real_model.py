@@ -50,36 +50,36 @@ MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_engine) -> list[list[int]]:
-    return [chat_ids(smollm2_engine.tokenizer, text) for text in PROMPTS]
+def prompts(smollm2_mlx_engine) -> list[list[int]]:
+    return [chat_ids(smollm2_mlx_engine.tokenizer, text) for text in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def serial(smollm2_engine, prompts):
+def serial(smollm2_mlx_engine, prompts):
     """Serial reference replies, computed once: {(prompt index, params): tokens}."""
     out = {}
     for index, ids in enumerate(prompts):
         settings = [GREEDY, *SAMPLED] if index % 2 == 0 else [GREEDY]
         for params in settings:
             config = GenerationConfig(params=params, max_tokens=MAX_TOKENS, draft=False)
-            completion = smollm2_engine.generate(ids, config)
+            completion = smollm2_mlx_engine.generate(ids, config)
             assert completion.stats.drafted == 0
             out[index, params] = completion.tokens
     return out
 
 
-def test_self_check_allows_drafting(smollm2_engine):
-    report = smollm2_engine.exactness
+def test_self_check_allows_drafting(smollm2_mlx_engine):
+    report = smollm2_mlx_engine.exactness
     assert report.drafting, report.describe()
     assert all(report.checked[w] for w in range(2, report.max_width + 1))
 
 
 @pytest.mark.slow
-def test_suffix_drafted_equals_serial(smollm2_engine, prompts, serial):
+def test_suffix_drafted_equals_serial(smollm2_mlx_engine, prompts, serial):
     drafted_total = accepted_total = 0
     for (index, params), reference in serial.items():
         config = GenerationConfig(params=params, max_tokens=MAX_TOKENS, draft=True)
-        completion = smollm2_engine.generate(prompts[index], config)
+        completion = smollm2_mlx_engine.generate(prompts[index], config)
         assert completion.tokens == reference, (PROMPTS[index][:40], params)
         drafted_total += completion.stats.drafted
         accepted_total += completion.stats.accepted
@@ -93,8 +93,8 @@ def _draft_engine(target: Engine, draft: LoadedModel) -> Engine:
 
 
 @pytest.mark.slow
-def test_target_as_its_own_draft_model(smollm2_engine, smollm2_gguf, prompts, serial):
-    engine = _draft_engine(smollm2_engine, load_model(smollm2_gguf))
+def test_target_as_its_own_draft_model(smollm2_mlx_engine, smollm2_gguf, prompts, serial):
+    engine = _draft_engine(smollm2_mlx_engine, load_model(smollm2_gguf))
     cases = [key for key in serial if key[0] in (0, 1, 3, 4)]
     accepted = 0
     for index, params in cases:
@@ -105,20 +105,20 @@ def test_target_as_its_own_draft_model(smollm2_engine, smollm2_gguf, prompts, se
 
 
 @pytest.mark.slow
-def test_random_weight_draft_model(smollm2_engine, prompts, serial):
+def test_random_weight_draft_model(smollm2_mlx_engine, prompts, serial):
     """A draft model of the same vocabulary with random weights: mostly rejected, still exact."""
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
     config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
               "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-              "vocab_size": smollm2_engine.backend.vocab_size, "tie_word_embeddings": True}
+              "vocab_size": smollm2_mlx_engine.backend.vocab_size, "tie_word_embeddings": True}
     model_class, args_class = _get_classes(config)
     mx.random.seed(5)
     model = model_class(args_class.from_dict(config))
     mx.eval(model.parameters())
-    draft = LoadedModel(model, smollm2_engine.tokenizer, config, smollm2_engine.backend.loaded.path, "float32")
-    engine = _draft_engine(smollm2_engine, draft)
+    draft = LoadedModel(model, smollm2_mlx_engine.tokenizer, config, smollm2_mlx_engine.backend.loaded.path, "float32")
+    engine = _draft_engine(smollm2_mlx_engine, draft)
     engine.controller.acceptance = 0.95  # keep proposing so that every rollback path runs
     engine.controller.prior = 0.95
     discarded = 0
@@ -129,31 +129,31 @@ def test_random_weight_draft_model(smollm2_engine, prompts, serial):
     assert discarded > 0
 
 
-def test_stop_strings_and_length(smollm2_engine, prompts):
+def test_stop_strings_and_length(smollm2_mlx_engine, prompts):
     config = GenerationConfig(max_tokens=30, draft=False)
-    full = smollm2_engine.generate(prompts[3], config)
+    full = smollm2_mlx_engine.generate(prompts[3], config)
     assert full.finish_reason == "length" and len(full.tokens) == 30
     stop = full.text[10:14]
-    stopped = smollm2_engine.generate(prompts[3], GenerationConfig(max_tokens=30, stop=(stop,)))
+    stopped = smollm2_mlx_engine.generate(prompts[3], GenerationConfig(max_tokens=30, stop=(stop,)))
     assert stopped.finish_reason == "stop"
     assert stopped.text == full.text[: full.text.find(stop)]
     assert stopped.tokens == full.tokens[: len(stopped.tokens)]
 
 
-def test_streamed_text_equals_final_text(smollm2_engine, prompts):
-    generation = smollm2_engine.stream(prompts[0], GenerationConfig(max_tokens=MAX_TOKENS))
+def test_streamed_text_equals_final_text(smollm2_mlx_engine, prompts):
+    generation = smollm2_mlx_engine.stream(prompts[0], GenerationConfig(max_tokens=MAX_TOKENS))
     pieces = [delta.text for delta in generation]
     assert "".join(pieces) == generation.completion.text
-    assert generation.completion.text == smollm2_engine.tokenizer.decode(
+    assert generation.completion.text == smollm2_mlx_engine.tokenizer.decode(
         generation.completion.tokens, skip_special_tokens=True)
 
 
-def test_gguf_and_converted_folder_agree(smollm2_engine, smollm2_folder, prompts):
-    folder_engine = Engine(MLXBackend(load_model(smollm2_folder)), smollm2_engine.tokenizer,
-                           smollm2_engine.eos_token_ids)
+def test_gguf_and_converted_folder_agree(smollm2_mlx_engine, smollm2_folder, prompts):
+    folder_engine = Engine(MLXBackend(load_model(smollm2_folder)), smollm2_mlx_engine.tokenizer,
+                           smollm2_mlx_engine.eos_token_ids)
     config = GenerationConfig(max_tokens=12, draft=False)
     for ids in prompts[:3]:
-        assert folder_engine.generate(ids, config).tokens == smollm2_engine.generate(ids, config).tokens
+        assert folder_engine.generate(ids, config).tokens == smollm2_mlx_engine.generate(ids, config).tokens
 
 
 def test_inexact_attention_is_caught(smollm2_gguf):

@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -227,3 +228,73 @@ def test_models_health_and_head(api_server, client):  # noqa: F811
     assert httpx.get(api_server.url + "/health").json()["status"] == "ok"
     assert httpx.head(api_server.url + "/").status_code == 200
     assert httpx.get(api_server.v1 + "/models/claude-sonnet-4-5").json()["id"] == "claude-sonnet-4-5"
+
+
+def test_image_and_audio_parts_are_a_400_naming_the_part(client):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    for part in (image, audio):
+        messages = [{"role": "system", "content": "Be terse."},
+                    {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="smollm2", messages=messages, max_tokens=2)
+        error = caught.value.body
+        assert caught.value.status_code == 400 and error["param"] == "messages[1].content[1]"
+        assert error["type"] == "invalid_request_error" and part["type"] in error["message"]
+        assert "text-only" in error["message"]
+
+
+def _entries(reply) -> list[dict]:
+    return [e.model_dump() for e in reply.choices[0].logprobs.content]
+
+
+def test_chat_logprobs_are_the_models_distribution(client):
+    reply = client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=8, logprobs=True,
+                                           top_logprobs=3)
+    entries = _entries(reply)
+    assert len(entries) == reply.usage.completion_tokens == 8
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == reply.choices[0].message.content
+    for entry in entries:
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert entry["logprob"] <= 0 and sum(np.exp(t["logprob"]) for t in top) <= 1 + 1e-9
+        assert (top[0]["token"], top[0]["logprob"]) == (entry["token"], entry["logprob"])  # greedy: the top one
+    plain = client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=8)
+    assert plain.choices[0].logprobs is None
+    chunks = list(client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=8, logprobs=True,
+                                                 top_logprobs=3, stream=True))
+    streamed = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert streamed == entries
+
+
+def test_drafted_logprobs_equal_serial_bit_for_bit(client):
+    messages = [{"role": "user", "content": COPY}]
+    kwargs = dict(model="smollm2", messages=messages, max_tokens=24, logprobs=True, top_logprobs=2)
+    drafted = client.chat.completions.create(**kwargs)
+    serial = client.chat.completions.create(**kwargs, extra_body={"draft": False})
+    assert drafted.model_extra["agentfold"]["drafted"] > 0  # drafting really ran
+    assert serial.model_extra["agentfold"]["drafted"] == 0
+    assert _entries(drafted) == _entries(serial) and len(_entries(drafted)) > 0
+
+
+def test_logprob_fields_are_checked(api_server):  # noqa: F811
+    for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21},
+                                                                  "top_logprobs"), ({"logprobs": 3}, "logprobs")):
+        body = {"model": "m", "messages": HELLO, "max_tokens": 2, **extra}
+        response = httpx.post(api_server.v1 + "/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_completions_logprobs(client):
+    prompt = "def add(a, b):\n    return"
+    reply = client.completions.create(model="smollm2", prompt=prompt, max_tokens=6, logprobs=2)
+    block = reply.choices[0].logprobs
+    assert "".join(block.tokens) == reply.choices[0].text and len(block.token_logprobs) == 6
+    assert all(lp <= 0 for lp in block.token_logprobs)
+    assert all(0 < len(top) <= 2 and max(top.values()) == lp for top, lp in zip(block.top_logprobs,
+                                                                             block.token_logprobs, strict=True))
+    assert block.text_offset == [sum(len(t) for t in block.tokens[:i]) for i in range(6)]
+    chunks = list(client.completions.create(model="smollm2", prompt=prompt, max_tokens=6, logprobs=2, stream=True))
+    assert [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs] == \
+        block.token_logprobs

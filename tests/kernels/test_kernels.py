@@ -93,18 +93,18 @@ def _widest_exact(run, x: mx.array) -> int:
     return widest
 
 
-def test_engine_never_verifies_wider_than_its_linear_layers_hold(x, smollm2_engine):
+def test_engine_never_verifies_wider_than_its_linear_layers_hold(x, smollm2_mlx_engine):
     """Every linear shape of the model holds at every width up to 32: int8 arithmetic, whatever the
     BLAS's float matmul does on this CPU (on an Intel Xeon its float32 matmul differs at 2 rows)."""
     mx.random.seed(7)
-    vocab = smollm2_engine.backend.vocab_size
-    assert smollm2_engine.backend.describe()["linear"].startswith("mlx_int8")
+    vocab = smollm2_mlx_engine.backend.vocab_size
+    assert smollm2_mlx_engine.backend.describe()["linear"].startswith("mlx_int8")
     shapes = [(HIDDEN, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN), (1536, HIDDEN), (vocab, HIDDEN)]
     widest = min(_widest_exact(ExactLinear(mx.random.normal(shape)), x) for shape in shapes)
     down = ExactLinear(mx.random.normal((HIDDEN, 1536)))
     widest = min(widest, _widest_exact(down, mx.random.normal((32, 1536))))
     assert widest == 32
-    assert smollm2_engine.exactness.max_width <= widest
+    assert smollm2_mlx_engine.exactness.max_width <= widest
     weight = mx.random.normal((1536, HIDDEN))
     float_widest = _widest_exact(lambda rows: rows @ weight.T, x)
     print(f"float32 BLAS matmul row-exact up to {float_widest} rows here (reported, not relied on)")

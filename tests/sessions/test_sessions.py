@@ -32,7 +32,7 @@ from agentfold.sessions import SessionManager
 from agentfold.sessions.snapshots import SnapshotError, SnapshotStore
 from tests.helpers.tiny_models import CORPUS, build_model, loaded_model, make_tokenizer, tiny_config
 
-WORKER = Path(__file__).parents[1] / "helpers" / "session_worker.py"
+ROOT = Path(__file__).parents[2]
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -404,7 +404,8 @@ RESTART_TURN = 3  # answered by a second process from the same home
 
 def run_worker(home: Path, messages: list[dict], session_id: str, max_tokens: int) -> dict:
     job = json.dumps({"home": str(home), "messages": messages, "session_id": session_id, "max_tokens": max_tokens})
-    done = subprocess.run([sys.executable, str(WORKER)], input=job, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.session_worker"], input=job, capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
