@@ -4,6 +4,12 @@ Every path renders here (HTTP APIs, MCP, the CLI, session cuts, benches), so a p
 cached prefixes are the same text whoever sent them. Templates that know nothing of tools get the
 tool section in the system turn; a server-side instruction (`trailing_instruction`: forced tool
 choice, JSON output) is its own user turn after the conversation, outside the shared history.
+
+Rendering is prefix-stable: turn N+1's prompt starts with turn N's prompt plus its reply, which
+is what lets a session restore turn N's cache. So only the system messages that lead the
+conversation are gathered into the system turn; one that comes later (Claude Code sends its
+environment that way, after the first user message) stays where it stands, as a system turn
+where the template renders one there, else as user text.
 """
 
 from __future__ import annotations
@@ -66,13 +72,60 @@ def render_chat(tokenizer, messages: Sequence[dict[str, Any]], tools: Sequence[T
         return _plain_render(_flatten(messages, specs), add_generation_prompt)
     if template_knows_tools(tokenizer) and (specs or has_tool_traffic):
         try:
-            native = [_native_message(m) for m in messages]
+            in_place = system_in_place(tokenizer)
+            first = next((i for i, m in enumerate(messages) if _simple(m)["role"] != "system"), len(messages))
+            native = [_native_message(m, in_place, i < first) for i, m in enumerate(messages)]
             return tokenizer.apply_chat_template(native, tools=[t.as_openai() for t in specs] or None,
                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as error:  # a template that chokes on tools: fall back to our own section
             log.info("chat template rejected native tools (%s); describing them in the system prompt", error)
-    flat = _flatten(messages, specs) if (specs or has_tool_traffic) else _merge([_simple(m) for m in messages])
+    in_place = system_in_place(tokenizer)
+    if specs or has_tool_traffic:
+        flat = _flatten(messages, specs, in_place)
+    else:
+        flat = _merge(_place_system([_simple(m) for m in messages], in_place))
     return tokenizer.apply_chat_template(flat, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+_IN_PLACE: dict[str, bool] = {}  # chat template text -> renders a later system turn where it stands
+_MARK = "\u2063agentfold-system\u2063"
+
+
+def system_in_place(tokenizer) -> bool:
+    """Whether the chat template renders a system message that comes after the first user turn in
+    place, with the renderings of successive turns each a prefix of the next; probed once per template.
+
+    ChatML (SmolLM2, Qwen) and Llama 3 do; strictly alternating templates (Gemma, Mistral) refuse
+    it or drop it, and get its text as a user turn instead (`_place_system`).
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return True  # `_plain_render` is ChatML
+    key = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    known = _IN_PLACE.get(key)
+    if known is None:
+        head = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "system", "content": _MARK}]
+        tail = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+        try:
+            short = tokenizer.apply_chat_template(head, add_generation_prompt=False, tokenize=False)
+            longer = tokenizer.apply_chat_template(head + tail, add_generation_prompt=False, tokenize=False)
+            known = _MARK in short and longer.startswith(short)
+        except Exception:  # noqa: BLE001  (the template raises on the role order: not in place)
+            known = False
+        _IN_PLACE[key] = known
+    return known
+
+
+def _place_system(messages: list[dict[str, Any]], in_place: bool) -> list[dict[str, Any]]:
+    """Later system messages as user turns where the template cannot render them in place."""
+    if in_place:
+        return messages
+    out, leading = [], True
+    for message in messages:
+        leading = leading and message["role"] == "system"
+        out.append(message if leading or message["role"] != "system" else {**message, "role": "user"})
+    return out
 
 
 _SEPARATOR = "\u2063agentfold-separator\u2063"  # an assistant turn that keeps two user turns apart
@@ -127,8 +180,10 @@ def _simple(message: dict[str, Any]) -> dict[str, str]:
     return {"role": role, "content": _text(message.get("content"))}
 
 
-def _native_message(message: dict[str, Any]) -> dict[str, Any]:
+def _native_message(message: dict[str, Any], in_place: bool = True, leading: bool = True) -> dict[str, Any]:
     out = _simple(message)
+    if out["role"] == "system" and not (in_place or leading):
+        out["role"] = "user"
     calls = []
     for call in message.get("tool_calls") or []:
         function = call.get("function", call)
@@ -149,16 +204,24 @@ def _native_message(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _flatten(messages: Sequence[dict[str, Any]], specs: Sequence[ToolSpec]) -> list[dict[str, str]]:
-    """Messages as plain system/user/assistant text, tools described in the system prompt."""
+def _flatten(messages: Sequence[dict[str, Any]], specs: Sequence[ToolSpec],
+             in_place: bool = True) -> list[dict[str, str]]:
+    """Messages as plain system/user/assistant text, tools described in the system prompt.
+
+    The leading system messages and the tool section make the system turn; a later system
+    message stays where it stands (`in_place`) or becomes user text.
+    """
     system: list[str] = []
     turns: list[dict[str, str]] = []
     for message in messages:
         role = message.get("role", "user")
         text = _text(message.get("content"))
-        if role in ("system", "developer"):
+        if role in ("system", "developer") and not turns:
             if text:
                 system.append(text)
+        elif role in ("system", "developer"):
+            if text:
+                turns.append({"role": "system" if in_place else "user", "content": text})
         elif role == "assistant":
             parts = [text.strip()] if text.strip() else []
             for call in message.get("tool_calls") or []:

@@ -1,11 +1,28 @@
 """Anthropic Messages (`POST /v1/messages`, `/v1/messages/count_tokens`), as Claude Code uses them.
 
-Claude Code sends `system` as a block array, `tool_use` / `tool_result` blocks, `thinking`
-settings and `anthropic-beta` headers, on `/v1/messages?beta=true`. The stream is the full event
-sequence: `message_start`, `ping`, per block `content_block_start` / `_delta` (`text_delta`,
-`input_json_delta`) / `_stop` (text first, then tool_use blocks), `message_delta` with the stop
-reason and usage, `message_stop`. Anthropic's `input_tokens` excludes cache reads, which are
-reported as `cache_read_input_tokens`.
+Claude Code (2.1.332, recorded in tests/fixtures/claude_code/) sends `system` as a block array,
+a `system` message inside `messages` after the first user message (its environment), `tool_use`
+/ `tool_result` blocks, `max_tokens` far above a local model's context, and the beta fields below,
+on `/v1/messages?beta=true`. The stream is the full event sequence: `message_start`, `ping`, per
+block `content_block_start` / `_delta` (`text_delta`, `input_json_delta`) / `_stop` (text first,
+then tool_use blocks), `message_delta` with the stop reason and usage, `message_stop`.
+Anthropic's `input_tokens` excludes cache reads, which are reported as `cache_read_input_tokens`.
+
+What the request's extra fields do here (none is ever a 400 for being there):
+
+- honoured: `metadata.user_id` when it is a JSON string holding `session_id` (Claude Code's
+  session) and the `X-Claude-Code-Session-Id` header are the session key, unless `session_id` or
+  `X-Session-Id` name one; `output_config.format` (`{"type": "json_schema", "schema": ...}`)
+  constrains the reply like OpenAI's `response_format`; `max_tokens` beyond what the context
+  leaves is clamped to it (reported as `agentfold.max_tokens_clamped`), as llama-server does.
+- accepted and ignored: `thinking` (the served model has no separate thinking budget; earlier
+  `thinking` blocks are not rendered), `context_management` (nothing is edited out of the prompt:
+  the history is resent whole, and the session cache depends on it staying the same),
+  `output_config.effort`, `metadata`'s other keys, `service_tier`, `container`, `mcp_servers`,
+  the `anthropic-beta` / `anthropic-version` headers and `?beta=true` (one endpoint serves both),
+  `cache_control` on blocks (every prefix is cached anyway, in the session).
+- refused: `image` and `document` blocks (a 400: the served model reads text only; dropping them
+  would answer a question about a picture it never saw).
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ from agentfold.chat.tool_calls import TextPiece
 from agentfold.chat.tools import ToolCall, ToolSpec
 from agentfold.http.errors import ApiError
 from agentfold.http.fields import (
+    client_session_id,
     get_float,
     get_int,
     get_stop,
@@ -44,6 +62,15 @@ def anthropic_error(error: ApiError) -> JSONResponse:
                         status_code=error.status)
 
 
+TEXT_ONLY_BLOCKS = ("image", "document")  # blocks a text-only model cannot read: a 400, not dropped
+
+
+def _refuse_media(kind: Any, where: str) -> None:
+    if kind in TEXT_ONLY_BLOCKS:
+        raise ApiError(f"{where}: the served model is text-only and cannot read {kind} blocks; "
+                       f"send the content as text instead.", param=where)
+
+
 def _blocks_text(value: Any, where: str) -> str:
     if value is None:
         return ""
@@ -55,6 +82,7 @@ def _blocks_text(value: Any, where: str) -> str:
     for j, block in enumerate(value):
         if not isinstance(block, dict):
             raise ApiError(f"'{where}[{j}]' must be an object.")
+        _refuse_media(block.get("type"), f"{where}.{j}")
         if block.get("type", "text") == "text":
             text = block.get("text")
             if not isinstance(text, str):
@@ -64,7 +92,11 @@ def _blocks_text(value: Any, where: str) -> str:
 
 
 def parse_messages(value: Any, system: Any) -> list[dict[str, Any]]:
-    """Anthropic messages (+ system) as chat messages: tool_result blocks become tool messages."""
+    """Anthropic messages (+ system) as chat messages: tool_result blocks become tool messages.
+
+    A `system` message inside `messages` (string or text blocks) stays where it is: the template
+    renders it there (agentfold.chat.template), so later turns still extend this prompt.
+    """
     if not isinstance(value, list):
         raise ApiError("messages: must be an array of messages.")
     if not value:
@@ -78,11 +110,16 @@ def parse_messages(value: Any, system: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise ApiError(f"{where}: must be an object with 'role' and 'content'.")
         role = message.get("role")
-        if role not in ("user", "assistant"):
-            raise ApiError(f"{where}.role: must be 'user' or 'assistant', not {json.dumps(role)}.")
+        if role not in ("user", "assistant", "system"):
+            raise ApiError(f"{where}.role: must be 'user', 'assistant' or 'system', not {json.dumps(role)}.")
         content = message.get("content")
         if content is None:
             raise ApiError(f"{where}.content: field required.")
+        if role == "system":
+            text = _blocks_text(content, f"{where}.content")
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -95,6 +132,7 @@ def parse_messages(value: Any, system: Any) -> list[dict[str, Any]]:
             if not isinstance(block, dict):
                 raise ApiError(f"{bwhere}: must be an object.")
             kind = block.get("type")
+            _refuse_media(kind, bwhere)
             if kind == "text":
                 if not isinstance(block.get("text"), str):
                     raise ApiError(f"{bwhere}.text: must be a string.")
@@ -113,7 +151,7 @@ def parse_messages(value: Any, system: Any) -> list[dict[str, Any]]:
                 if block.get("is_error"):
                     text = f"Error: {text}"
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id", ""), "content": text})
-            # thinking, redacted_thinking, image, document, server tool blocks: nothing to render
+            # thinking, redacted_thinking, server tool blocks: nothing to render
         if role == "assistant":
             entry: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
             if calls:
@@ -161,8 +199,22 @@ def messages_plan(body: dict[str, Any], request: Request) -> ChatPlan:
     plan.top_k = max(0, top_k)
     plan.min_p = get_float(body, "min_p", 0.0, 1.0, default=0.0)
     plan.stop = get_stop(body, "stop_sequences")
+    plan.response_format = _output_format(body.get("output_config"))
     read_turn_fields(plan, body, request)
+    if plan.session_id is None:
+        plan.session_id = client_session_id(body)
     return plan
+
+
+def _output_format(config: Any) -> dict[str, Any] | None:
+    """`output_config.format` as a response_format (JSON schema output); `effort` and the rest are ignored."""
+    fmt = config.get("format") if isinstance(config, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return None
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise ApiError("output_config.format.schema: must be a JSON schema object.", param="output_config")
+    return {"type": "json_schema", "schema": schema}
 
 
 def _usage(outcome: Outcome) -> dict[str, Any]:
@@ -240,10 +292,11 @@ async def messages(server, request: Request, body: dict[str, Any]):
                     elif index == 0:  # an empty reply still has one (empty) text block
                         yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
                         yield event("content_block_stop", index=0)
+                    block = item.agentfold
                     yield event("message_delta", delta={"stop_reason": _stop_reason(item),
                                                         "stop_sequence": item.stop_sequence},
-                                usage=_usage(item), timings=item.timings, agentfold=item.agentfold)
-                    yield event("message_stop", timings=item.timings, agentfold=item.agentfold)
+                                usage=_usage(item), timings=item.timings, agentfold=block)
+                    yield event("message_stop", timings=item.timings, agentfold=block)
         except Exception as error:
             if isinstance(error, ApiError):
                 kind, message = ERROR_TYPES.get(error.status, "api_error"), error.message

@@ -143,18 +143,37 @@ def get_seed(body: dict) -> int:
     return seed & 0xFFFFFFFFFFFFFFFF
 
 
+def _checked_session(session: str, param: str) -> str:
+    try:
+        return check_session_id(session)
+    except ValueError as error:
+        raise ApiError(f"'{param}': {error}", param="session_id") from error
+
+
 def get_session_id(body: dict, request: Request) -> str | None:
-    """`session_id` (or the X-Session-Id header), checked against the strict id pattern."""
+    """The session key, checked against the strict id pattern: `session_id`, else the X-Session-Id
+    header, else X-Claude-Code-Session-Id (the session Claude Code sends with every request)."""
     session = get_str(body, "session_id")
     param = "session_id"
     if not session:
         session, param = request.headers.get("x-session-id"), "X-Session-Id"
     if not session:
+        session, param = request.headers.get("x-claude-code-session-id"), "X-Claude-Code-Session-Id"
+    return _checked_session(session, param) if session else None
+
+
+def client_session_id(body: dict) -> str | None:
+    """Anthropic's `metadata.user_id` when it is a JSON string with a `session_id` (Claude Code's
+    own session), checked like any session id; None for other user ids, which are opaque."""
+    metadata = body.get("metadata")
+    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if not isinstance(user_id, str) or not user_id.lstrip().startswith("{"):
         return None
     try:
-        return check_session_id(session)
-    except ValueError as error:
-        raise ApiError(f"'{param}': {error}", param="session_id") from error
+        session = json.loads(user_id).get("session_id")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return _checked_session(session, "metadata.user_id.session_id") if isinstance(session, str) and session else None
 
 
 def read_turn_fields(plan: Any, body: dict, request: Request) -> None:

@@ -36,7 +36,7 @@ def config_from_inputs(inputs: dict[str, Any], draft: bool) -> GenerationConfig:
 
 def _internal(prompt: list[int], config: GenerationConfig, api: str) -> TurnRequest:
     """A turn of the runtime's own: no session cache, no telemetry row of its own."""
-    return TurnRequest(prompt=prompt, config=config, api=api, meta={"no_session": True, "internal": True})
+    return TurnRequest(prompt=prompt, config=config, api=api, internal=True)
 
 
 async def replay(run_turn: RunTurn, turn_id: str, inputs: dict[str, Any]) -> dict[str, Any]:

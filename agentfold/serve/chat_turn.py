@@ -9,6 +9,7 @@ transport answers in its own shape.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from agentfold.chat.template import render_chat
 from agentfold.chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from agentfold.engine.decode import GenerationConfig
 from agentfold.serve.scheduler import Runtime, TurnRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,8 +75,13 @@ def _chat_prompt(runtime: Runtime, plan: ChatPlan, tools_enabled: bool) -> tuple
     return prompt, plan_cuts(runtime, messages, plan.tools or None, prompt), internal_stops
 
 
-def _reply_budget(plan: ChatPlan, prompt_tokens: int, limit: int, default_max_tokens: int | None) -> int:
-    """The reply's token budget within the context; a prompt or budget that does not fit is a PlanError."""
+def _reply_budget(plan: ChatPlan, prompt_tokens: int, limit: int,
+                  default_max_tokens: int | None) -> tuple[int, dict[str, int] | None]:
+    """The reply's token budget within the context, and the clamp when the plan asked for more.
+
+    A budget beyond what the context leaves is clamped to it, as llama-server does (Claude Code
+    asks for 32K-128K tokens whatever the model); a prompt that does not fit is a PlanError.
+    """
     if prompt_tokens >= limit:
         raise PlanError(
             f"This model's maximum context length is {limit} tokens, but the prompt is {prompt_tokens} tokens. "
@@ -81,19 +89,19 @@ def _reply_budget(plan: ChatPlan, prompt_tokens: int, limit: int, default_max_to
     room = limit - prompt_tokens
     max_tokens = plan.max_tokens
     if max_tokens is None:
-        return min(room, default_max_tokens) if default_max_tokens else room
-    if prompt_tokens + max_tokens > limit:
-        raise PlanError(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion). "
-            f"Reduce the length of the messages or '{plan.max_tokens_param}' (at most {room} here).",
-            code="context_length_exceeded", param=plan.max_tokens_param)
-    return max_tokens
+        return (min(room, default_max_tokens) if default_max_tokens else room), None
+    if max_tokens <= room:
+        return max_tokens, None
+    clamp = {"requested": max_tokens, "granted": room, "prompt_tokens": prompt_tokens, "context_length": limit}
+    log.info("'%s' %d clamped to %d: the prompt takes %d of the %d-token context",
+             plan.max_tokens_param, max_tokens, room, prompt_tokens, limit)
+    return room, clamp
 
 
 def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
                  default_max_tokens: int | None = None) -> PreparedTurn:
-    """Render, tokenize and size a plan; a prompt that does not fit is a PlanError naming the limit.
+    """Render, tokenize and size a plan; a prompt that does not fit is a PlanError naming the limit,
+    a reply budget that does not fit is clamped (`TurnRequest.max_tokens_clamped`).
 
     `api` and `client` label the turn's telemetry row; `default_max_tokens` caps a reply whose
     plan names no budget (else it may fill the context).
@@ -104,7 +112,7 @@ def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
         prompt, cuts, internal_stops = _raw_prompt_ids(runtime, plan.raw_prompt), [], []
     else:
         prompt, cuts, internal_stops = _chat_prompt(runtime, plan, tools_enabled)
-    max_tokens = _reply_budget(plan, len(prompt), runtime.context_length, default_max_tokens)
+    max_tokens, clamp = _reply_budget(plan, len(prompt), runtime.context_length, default_max_tokens)
     prefix = ""
     config = GenerationConfig(params=params, max_tokens=max_tokens,
                               stop=tuple(dict.fromkeys([*plan.stop, *internal_stops])), draft=plan.draft,
@@ -112,7 +120,6 @@ def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
     turn_request = TurnRequest(
         prompt=prompt, config=config, api=api, client=client,
         session_id=plan.session_id, audit=plan.audit, model=plan.model,
-        cuts=cuts, outcome_follows=True,
-        meta={"prefix": prefix, "tools": [t.name for t in plan.tools], "stream": plan.stream},
+        cuts=cuts, outcome_follows=True, max_tokens_clamped=clamp,
     )
     return PreparedTurn(turn_request, tools_enabled, prefix, list(plan.stop), len(prompt))

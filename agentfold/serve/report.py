@@ -62,6 +62,8 @@ def turn_blocks(turn: Turn, runtime: Runtime) -> tuple[dict[str, Any], dict[str,
         "audit": turn.audit,
         "mismatch_position": turn.mismatch_position,
     }
+    if turn.request.max_tokens_clamped:  # more than the context leaves was asked (llama-server clamps too)
+        block["max_tokens_clamped"] = turn.request.max_tokens_clamped
     return timings(record), block
 
 

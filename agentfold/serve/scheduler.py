@@ -28,7 +28,7 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agentfold.engine.decode import Completion, Delta, Engine, Generation, GenerationConfig, first_mismatch
@@ -74,7 +74,8 @@ class TurnRequest:
     cuts: tuple[int, ...] = ()
     on_prefill: Callable[[Any], None] | None = None  # called after each prefill chunk (session snapshots)
     outcome_follows: bool = False  # an API layer calls `after_response` with the parsed outcome
-    meta: dict[str, Any] = field(default_factory=dict)  # free-form, for hooks
+    internal: bool = False  # the server's own turn (an audit replay): no session, no telemetry row
+    max_tokens_clamped: dict[str, int] | None = None  # requested / granted when the context cut max_tokens
 
 
 class _Closed:

@@ -98,7 +98,7 @@ class Service:
     # -- hooks (worker thread, except after_response) ---------------------------------------------
     def _before_turn(self, turn: Turn) -> None:
         request = turn.request
-        if self.sessions is None or request.meta.get("no_session") or request.cache is not None:
+        if self.sessions is None or request.internal or request.cache is not None:
             return
         try:
             prepared = self.sessions.restore(request.prompt, request.session_id, request.cuts)
@@ -131,7 +131,7 @@ class Service:
         record.audit, record.mismatch_position = turn.audit, turn.mismatch_position
         record.inputs = {**audit.config_inputs(request.prompt, request.config), "reply": list(completion.tokens)}
         turn.record = record
-        if request.meta.get("internal"):
+        if request.internal:
             return
         if not request.outcome_follows:  # else `_after_response` writes it, with the API's outcome
             self.telemetry.record(record)

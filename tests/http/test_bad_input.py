@@ -58,7 +58,6 @@ HTTP_CASES = [
     (CHAT, raw('{"model":"m","max_tokens":1,"messages":[{"role":"user","content":"\\ud800"}]}'), {}, 400,
      ["surrogate"]),
     (CHAT, b"[" * 50_000, {}, 400, ["not valid JSON"]),
-    (CHAT, chat(max_tokens=10**12), {}, 400, ["maximum context length", "max_tokens"]),
     (CHAT, raw('{"model":"m","messages":[{"role":"user","content":"Hi"}],"max_tokens":1e400}'), {}, 400,
      ["'max_tokens' must be an integer"]),
     (CHAT, chat(temperature="hot"), {}, 400, ["'temperature' must be a number"]),
