@@ -13,7 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentfold.integrations.edits import Op, Target, ops_from
+import tomlkit
+import tomlkit.exceptions
+
+from agentfold.integrations.edits import ANYTHING, Op, Target, ops_from
 from agentfold.integrations.jsonc import JsonSyntaxError, parse_jsonc
 from agentfold.integrations.settings import Settings
 from agentfold.integrations.templates import load_template
@@ -61,14 +64,39 @@ def _claude_code(env: Env, scope: str) -> list[Target]:
             _t(env, "settings", env.home / ".claude" / "settings.json", "json", settings)]
 
 
+CODEX_PROFILE = "agentfold"  # `codex --profile agentfold` reads ~/.codex/agentfold.config.toml
+CODEX_PROFILE_KEY = "profile"  # the top-level selector Codex 0.134 dropped
+_CODEX_LEGACY = ("Codex 0.134 and later refuse it; the profile is now "
+                 f"~/.codex/{CODEX_PROFILE}.config.toml (`codex --profile {CODEX_PROFILE}`)")
+
+
 def _codex(env: Env, scope: str) -> list[Target]:
     fragment = load_template("codex", f"config.{env.settings.transport}.toml", env.settings)
-    if scope == "project":  # Codex reads model providers only from ~/.codex/config.toml
-        fragment = {"mcp_servers": fragment["mcp_servers"]}
-        path = env.project_dir / ".codex" / "config.toml"
-    else:
-        path = env.home / ".codex" / "config.toml"
-    return [_t(env, "config", path, "toml", ops_from(fragment, owned=[("*", "*")]))]
+    if scope == "project":  # Codex reads model providers only from the user's files
+        ops = ops_from({"mcp_servers": fragment["mcp_servers"]}, owned=[("*", "*")])
+        return [_t(env, "config", env.project_dir / ".codex" / "config.toml", "toml", ops)]
+    config = env.home / ".codex" / "config.toml"
+    default_reason = (_CODEX_LEGACY + f'; to keep AgentFold the default, put model_provider = "{CODEX_PROFILE}" '
+                      f'and model = "{env.settings.model}" at the top of ~/.codex/config.toml instead')
+    legacy = (Op((CODEX_PROFILE_KEY,), CODEX_PROFILE, remove=True, reason=default_reason),
+              Op(("profiles", CODEX_PROFILE), ANYTHING, remove=True, reason=_CODEX_LEGACY))
+    profile_ops = ops_from(load_template("codex", "profile.toml", env.settings))
+    kept = {key: value for key, value in _codex_legacy_profile(config).items()  # the user's own additions
+            if not any(op.path == (key,) for op in profile_ops)}
+    profile_ops += tuple(Op((key,), value, only_if_missing=True) for key, value in kept.items())
+    return [_t(env, "config", config, "toml", ops_from(fragment, owned=[("*", "*")]) + legacy),
+            _t(env, "profile", env.home / ".codex" / f"{CODEX_PROFILE}.config.toml", "toml", profile_ops)]
+
+
+def _codex_legacy_profile(config: Path) -> dict:
+    """What an older AgentFold (or the user) put in `[profiles.agentfold]` of ~/.codex/config.toml."""
+    try:
+        data = tomlkit.parse(config.read_text(encoding="utf-8")).unwrap()
+    except (OSError, UnicodeDecodeError, tomlkit.exceptions.ParseError):
+        return {}  # missing, or malformed (merge() reports it)
+    profiles = data.get("profiles")
+    legacy = profiles.get(CODEX_PROFILE) if isinstance(profiles, dict) else None
+    return legacy if isinstance(legacy, dict) else {}
 
 
 def _cursor(env: Env, scope: str) -> list[Target]:

@@ -23,13 +23,26 @@ class Named:
     name: str
 
 
+class _Anything:
+    """The type of `ANYTHING`: a removal that applies whatever the value is."""
+
+
+ANYTHING = _Anything()
+
+
 @dataclass(frozen=True)
 class Op:
-    """Set `path` to `value` in a config file."""
+    """Set `path` to `value` in a config file, or (`remove`) delete it where it holds `value` (or ANYTHING).
+
+    Removals undo what an older AgentFold wrote in a shape the client no longer accepts (Codex's
+    `[profiles.agentfold]`); `reason` is what the user is told when one happens.
+    """
 
     path: tuple[str | Named, ...]
     value: Any
     only_if_missing: bool = False  # header keys (`name`, `version`, `$schema`): never overwrite the user's
+    remove: bool = False
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,9 @@ def pending_ops(data: Any, ops: Sequence[Op]) -> list[Op]:
     out = []
     for op in ops:
         existing = _lookup(data, op.path)
-        if existing is MISSING or (not op.only_if_missing and existing != op.value):
+        if op.remove:
+            if existing is not MISSING and (op.value is ANYTHING or existing == op.value):
+                out.append(op)
+        elif existing is MISSING or (not op.only_if_missing and existing != op.value):
             out.append(op)
     return out

@@ -6,12 +6,14 @@ problem into one `IntegrateError` line, so the command can refuse before it writ
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
+import tomlkit
 import tomlkit.exceptions
 import yaml
 
-from agentfold.integrations.edits import Target
+from agentfold.integrations.edits import ANYTHING, Op, Target, dotted_path, pending_ops
 from agentfold.integrations.errors import ConfigShapeError, IntegrateError
 from agentfold.integrations.jsonc import JsonSyntaxError, merge_json
 from agentfold.integrations.toml_merge import merge_toml
@@ -26,6 +28,13 @@ def _syntax_detail(error: Exception) -> str:
         problem = getattr(error, "problem", None) or "syntax error"
         return f"line {mark.line + 1} column {mark.column + 1}: {problem}"
     return " ".join(str(error).split())
+
+
+def _shown(removal: Op) -> str:
+    """A removed entry as the user wrote it: `[a.b]` for a table, `key = "value"` for a value."""
+    if removal.value is ANYTHING or isinstance(removal.value, dict):
+        return f"[{dotted_path(removal.path)}]"
+    return f"`{dotted_path(removal.path)} = {json.dumps(removal.value)}`"
 
 
 @dataclass
@@ -46,13 +55,18 @@ def merge(target: Target, old: str | None) -> Change:
     """The new content of one file; IntegrateError (one line) if the existing file cannot be used."""
     name = _FORMAT_NAMES[target.fmt]
     warnings: list[str] = []
+    removals = [op for op in target.ops if op.remove]
+    if removals and target.fmt != "toml":
+        raise ValueError(f"removals are only implemented for TOML, not {name} ({target.display})")
     crlf = old is not None and "\r\n" in old  # edit with \n, hand back the file's own line endings
     text = old.replace("\r\n", "\n") if crlf else old  # type: ignore[union-attr]
     try:
         if target.fmt == "json":
             new = merge_json(text, target.ops)
         elif target.fmt == "toml":
+            removed = pending_ops(tomlkit.parse(text).unwrap(), removals) if text and removals else []
             new = merge_toml(text, target.ops)
+            warnings += [f"{target.display}: removed {_shown(op)}: {op.reason}" for op in removed]
         else:
             new, dropped = merge_yaml(text, target.ops)
             if dropped:

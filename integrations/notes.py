@@ -6,7 +6,46 @@ trust prompts and the limits of each client that no config file can fix.
 
 from __future__ import annotations
 
+import tomlkit
+import tomlkit.exceptions
+
 from agentfold.integrations.clients import NO_MCP, Env
+
+# The context each client needs: its system prompt and tool schemas alone fill the first request.
+RECOMMENDED_CONTEXT = {
+    "claude-code": (32768, "its first prompt (system prompt and tools) is 10-23K tokens"),
+    "codex": (32768, "its first prompt (instructions and tools) is about 10K tokens"),
+    "opencode": (32768, "its first prompt (system prompt and tools) is about 10K tokens"),
+    "cline": (32768, "its system prompt is over 10K tokens"),
+    "roo": (32768, "its system prompt is over 10K tokens"),
+    "zed": (16384, "its agent prompt and tools take several thousand tokens"),
+    "continue": (16384, "its agent prompt and tools take several thousand tokens"),
+    "aider": (16384, "its prompts and repo map take several thousand tokens"),
+}  # cursor and vscode: MCP only, their chat model is not ours
+LONG_CONTEXT_HINT = "`agentfold serve --model gemma3` (Gemma 3 270M, 32K context)"
+
+
+def context_warning(client: str, context_length: int | None, model: str) -> str | None:
+    """A warning when the served model's context is below what `client` needs (None: fine, or unknown)."""
+    need = RECOMMENDED_CONTEXT.get(client)
+    if need is None or context_length is None or context_length >= need[0]:
+        return None
+    return (f"{model!r} has a {context_length}-token context, too small for {client}: {need[1]}, so requests "
+            f"will fail with context_length_exceeded; {need[0] // 1024}K or more is recommended. "
+            f"Serve a model with a longer context, e.g. {LONG_CONTEXT_HINT}")
+
+
+def _codex_foreign_selector(env: Env) -> list[str]:
+    """A top-level `profile = "other"` that is not ours: Codex 0.134+ refuses to start with it."""
+    try:
+        data = tomlkit.parse((env.home / ".codex" / "config.toml").read_text(encoding="utf-8")).unwrap()
+    except (OSError, UnicodeDecodeError, tomlkit.exceptions.ParseError):
+        return []
+    name = data.get("profile")
+    if not isinstance(name, str):
+        return []
+    return [f'~/.codex/config.toml still selects `profile = "{name}"`, which Codex 0.134 and later refuse: move '
+            f"[profiles.{name}] into ~/.codex/{name}.config.toml (top-level keys) and use `codex --profile {name}`"]
 
 
 def notes(client: str, env: Env) -> list[str]:
@@ -23,10 +62,11 @@ def notes(client: str, env: Env) -> list[str]:
     elif client == "codex":
         if scope == "project":
             out.append("Codex loads .codex/config.toml only in trusted projects, and reads model providers only from "
-                       "~/.codex/config.toml: run `agentfold integrate codex --scope user` to send its model traffic here")
+                       "~/.codex: run `agentfold integrate codex --scope user` to send its model traffic here")
         else:
-            out.append('start Codex with `codex --profile agentfold` (or put `profile = "agentfold"` at the top of '
-                       "~/.codex/config.toml to make it the default)")
+            out.append("start Codex with `codex --profile agentfold` (Codex 0.134 or later; to make it the default, put "
+                       f'model_provider = "agentfold" and model = "{s.model}" at the top of ~/.codex/config.toml)')
+            out.extend(_codex_foreign_selector(env))
     elif client == "cursor":
         out.append("only MCP is wired: Cursor sends model requests from its own servers, which cannot reach "
                    f"{s.base_url} (see integrations/README.md)")

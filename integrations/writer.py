@@ -40,7 +40,7 @@ from typing import Any
 from agentfold.integrations.clients import CLIENTS, NO_MCP, UI_ONLY, Env, targets
 from agentfold.integrations.errors import IntegrateError
 from agentfold.integrations.merge import Change, merge
-from agentfold.integrations.notes import notes
+from agentfold.integrations.notes import context_warning, notes
 from agentfold.integrations.server_model import fetch_model
 from agentfold.integrations.settings import DEFAULT_BASE_URL, DEFAULT_CONTEXT_LENGTH, Settings, normalize_base_url
 from agentfold.integrations.templates import render_readme
@@ -143,15 +143,16 @@ def _say(message: str) -> None:
     print(f"[agentfold] {message}", file=sys.stderr, flush=True)
 
 
-def _resolve_settings(args: argparse.Namespace) -> tuple[Settings, str]:
+def _resolve_settings(args: argparse.Namespace) -> tuple[Settings, str, int | None]:
+    """The settings, where the model name came from, and the served (or declared) context if known."""
     base_url = normalize_base_url(args.base_url)
-    context = args.context_length
+    context, served = args.context_length, None
     if args.model:
         model, source = args.model, "--model"
     else:
         found = fetch_model(base_url)
-        model, source = found.id, f"{base_url}/v1/models"
-        context = context or found.context_length
+        model, source, served = found.id, f"{base_url}/v1/models", found.context_length
+        context = context or served
         if found.others:
             source += f"; it also lists {', '.join(found.others)} (choose with --model)"
     if context is not None and context <= 0:
@@ -166,7 +167,7 @@ def _resolve_settings(args: argparse.Namespace) -> tuple[Settings, str]:
         model_path = str(resolved)
     command = shutil.which("agentfold") or "agentfold"
     settings = Settings(base_url, model, context or DEFAULT_CONTEXT_LENGTH, args.transport, model_path, command)
-    return settings, source
+    return settings, source, served or context
 
 
 def _env(args: argparse.Namespace, settings: Settings) -> Env:
@@ -191,11 +192,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    settings, source = _resolve_settings(args)
+    settings, source, known_context = _resolve_settings(args)
     env = _env(args, settings)
     client, scope = args.client, args.scope
     _say(f"{client}: model {settings.model!r} (from {source}), server {settings.base_url}, "
          f"{scope} scope" + ("" if client in NO_MCP + UI_ONLY else f", MCP over {settings.transport}"))
+    too_small = context_warning(client, known_context, settings.model)
+    if too_small:
+        _say(f"warning: {too_small}")
     if client in UI_ONLY:
         sys.stdout.write(render_readme(client, settings))
         _say(f"{client} is configured in its settings UI: use the values above (nothing was written)")

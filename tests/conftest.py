@@ -15,7 +15,7 @@ prepare_process()  # the fast BLAS loads before any test module imports mlx.core
 from agentfold.engine.factory import build_engine  # noqa: E402
 from agentfold.engine.mlx.loader import convert_gguf  # noqa: E402
 from agentfold.serve.models import cache_dir, default_model_path, gemma3_path  # noqa: E402
-from tests.helpers.backends import test_backend  # noqa: E402
+from tests.helpers.backends import real_model_backend  # noqa: E402
 
 
 def converted(gguf: Path, dtype: str = "float32") -> Path:
@@ -43,13 +43,13 @@ def smollm2_folder(smollm2_gguf: Path) -> Path:
 def smollm2_engine(smollm2_gguf: Path):
     """The real SmolLM2-135M-Instruct engine on the test backend (`tests.helpers.backends`): suffix
     drafter, self-checked."""
-    return build_engine(smollm2_gguf, backend=test_backend())
+    return build_engine(smollm2_gguf, backend=real_model_backend())
 
 
 @pytest.fixture(scope="session")
 def smollm2_mlx_engine(request: pytest.FixtureRequest, smollm2_gguf: Path):
     """The same model on the MLX backend, for the tests about MLX itself (float32, suffix drafter)."""
-    if test_backend() == "mlx":
+    if real_model_backend() == "mlx":
         return request.getfixturevalue("smollm2_engine")
     return build_engine(smollm2_gguf)
 

@@ -6,14 +6,17 @@ Codex sends `input` as an item list (messages, `function_call`, `function_call_o
 dropped, never refused; `custom` tools are offered to the model as a function taking one string
 `input` and come back as `custom_tool_call` items. The stream always ends with
 `response.completed` (status `incomplete` when the token budget ran out), because Codex treats a
-stream without it as broken. The server is stateless: `previous_response_id` and `store` are
-ignored.
+stream without it as broken. Codex itself resends the whole conversation with `store: false`;
+other clients send only the new items with `previous_response_id`, which is served from the
+responses this server kept (`response_store`), and refused as unknown once that one is gone,
+never answered from a partial conversation. The model reads text only: an image is a 400.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +30,7 @@ from agentfold.chat.tools import ToolCall, ToolSpec
 from agentfold.http.errors import ApiError
 from agentfold.http.fields import get_bool, get_int, get_str
 from agentfold.http.openai_api import common_fields, content_text, parse_response_format
+from agentfold.http.response_store import MAX_RESPONSES, ResponseStore
 from agentfold.http.stream import SSE_HEADERS, Outcome, collect, drive, new_id, now, prepare, sse
 from agentfold.serve.chat_turn import PreparedTurn
 from agentfold.sessions.ids import session_id_for_key
@@ -37,6 +41,32 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 SKIPPED_ITEMS = ("reasoning", "item_reference", "web_search_call", "file_search_call", "computer_call",
                  "computer_call_output", "image_generation_call", "code_interpreter_call", "local_shell_call",
                  "local_shell_call_output", "mcp_call", "mcp_list_tools", "compaction")
+
+
+NON_TEXT_PARTS = ("input_image", "image_url", "image", "input_audio", "input_file", "file")
+
+
+def _check_text_only(parts: Any, where: str) -> None:
+    """A 400 for an image, audio or file part: dropping it would answer a question the model never saw."""
+    if not isinstance(parts, list):
+        return
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in NON_TEXT_PARTS:
+            raise ApiError(f"'{where}[{j}]' is a part of type {kind!r}, but the served model is text-only; "
+                           "send text (for a file, its contents as input_text).", param="input",
+                           code="unsupported_content")
+
+
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """`input` as an item list (a string is one user message), as kept for `previous_response_id`."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}] if value else []
+    if not isinstance(value, list):
+        raise ApiError("'input' must be a string or an array of input items.", param="input")
+    return value
 
 
 def _output_text(value: Any, where: str) -> str:
@@ -67,6 +97,8 @@ def parse_input(value: Any, instructions: str | None) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise ApiError(f"'{where}' must be an object.", param="input")
         kind = item.get("type") or ("message" if "role" in item else None)
+        _check_text_only(item.get("content"), f"{where}.content")
+        _check_text_only(item.get("output"), f"{where}.output")
         if kind == "message":
             role = item.get("role")
             if role not in MESSAGE_ROLES:
@@ -138,11 +170,17 @@ def _tool_choice(value: Any, tools: list[ToolSpec]) -> str | dict[str, str]:
     return parse_tool_choice(value, tools)
 
 
-def responses_plan(body: dict[str, Any], request: Request) -> tuple[ChatPlan, set[str]]:
-    """The request as a chat plan, and the names of its custom (free-form) tools."""
+def responses_plan(body: dict[str, Any], request: Request, items: list[dict[str, Any]] | None = None,
+                   session_id: str | None = None) -> tuple[ChatPlan, set[str]]:
+    """The request as a chat plan, and the names of its custom (free-form) tools.
+
+    `items`: the whole conversation (a previous response's, then this input); default this input.
+    `session_id`: the previous response's session, used when the request names none.
+    """
     instructions = get_str(body, "instructions")
     tools, custom = parse_tools(body.get("tools"))
-    plan = ChatPlan(messages=parse_input(body.get("input"), instructions), tools=tools)
+    conversation = items if items is not None else body.get("input")
+    plan = ChatPlan(messages=parse_input(conversation, instructions), tools=tools)
     common_fields(plan, body, request)
     plan.tool_choice = _tool_choice(body.get("tool_choice"), tools)
     plan.parallel_tool_calls = get_bool(body, "parallel_tool_calls", True)
@@ -153,7 +191,7 @@ def responses_plan(body: dict[str, Any], request: Request) -> tuple[ChatPlan, se
     plan.max_tokens = get_int(body, "max_output_tokens", minimum=1)
     plan.max_tokens_param = "max_output_tokens"
     cache_key = get_str(body, "prompt_cache_key")
-    plan.session_id = plan.session_id or (session_id_for_key(cache_key) if cache_key else None)
+    plan.session_id = plan.session_id or (session_id_for_key(cache_key) if cache_key else None) or session_id
     if not plan.messages:
         plan.messages = [{"role": "user", "content": ""}]  # Codex probes with empty input
     return plan, custom
@@ -168,6 +206,9 @@ class ResponseShape:
     custom: set[str]  # custom tools: their calls are `custom_tool_call` items
     model: str
     instructions: str | None
+    previous_id: str | None = None
+    store: ResponseStore | None = None  # where the reply is kept for `previous_response_id` (None: store false)
+    new_items: list[dict[str, Any]] = field(default_factory=list)  # this request's input, kept with the reply
     resp_id: str = field(default_factory=lambda: new_id("resp_"))
     created: int = field(default_factory=now)
 
@@ -182,7 +223,8 @@ class ResponseShape:
             "max_output_tokens": plan.max_tokens, "parallel_tool_calls": plan.parallel_tool_calls,
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "temperature": plan.temperature, "top_p": plan.top_p, "metadata": metadata,
-            "previous_response_id": None, "store": False, "truncation": "disabled", "usage": None,
+            "previous_response_id": self.previous_id, "store": self.store is not None, "truncation": "disabled",
+            "usage": None,
             "text": {"format": plan.response_format or {"type": "text"}},
         }
         if outcome is not None:
@@ -197,6 +239,12 @@ class ResponseShape:
             obj["timings"] = outcome.timings
             obj["agentfold"] = outcome.agentfold
         return obj
+
+    def keep(self, output: list[dict[str, Any]], outcome: Outcome) -> None:
+        """Keep this reply (its new input and its output) for a later `previous_response_id`."""
+        if self.store is not None:
+            session = outcome.agentfold.get("session_id") if isinstance(outcome.agentfold, dict) else None
+            self.store.put(self.resp_id, self.previous_id, [*self.new_items, *output], session or self.plan.session_id)
 
     @staticmethod
     def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
@@ -216,15 +264,46 @@ class ResponseShape:
                 "arguments": call.arguments, "status": status}
 
 
+_STORES: weakref.WeakKeyDictionary[Any, ResponseStore] = weakref.WeakKeyDictionary()
+
+
+def response_store(server: Any) -> ResponseStore:
+    """The responses one server keeps (one store per server object, gone with it)."""
+    store = _STORES.get(server)
+    if store is None:
+        store = _STORES[server] = ResponseStore()
+    return store
+
+
+def _previous(server: Any, body: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    """`previous_response_id`, the conversation it ends, and its session; a 400 when it is not held."""
+    previous_id = get_str(body, "previous_response_id")
+    if not previous_id:
+        return None, [], None
+    found = response_store(server).conversation(previous_id)
+    if found is None:
+        raise ApiError(f"Previous response with id '{previous_id}' not found. This server keeps responses in "
+                       f"memory (those created with store: true, the latest {MAX_RESPONSES} at most), so it has been "
+                       "evicted, was created with store: false, or the server restarted; send the whole "
+                       "conversation in 'input' instead.", param="previous_response_id",
+                       code="previous_response_not_found")
+    return previous_id, found[0], found[1]
+
+
 async def responses(server: Any, request: Request, body: dict[str, Any]) -> Response:
     """`POST /v1/responses`: one JSON response, or its event stream ending in `response.completed`."""
-    plan, custom = responses_plan(body, request)
+    previous_id, history, session_id = _previous(server, body)
+    new_items = input_items(body.get("input"))
+    plan, custom = responses_plan(body, request, [*history, *new_items], session_id)
     prepared = prepare(server.runtime, plan, "responses", request, server.default_max_tokens)
-    shape = ResponseShape(body, plan, custom, plan.model or server.runtime.model_id, get_str(body, "instructions"))
+    store = response_store(server) if get_bool(body, "store", True) else None
+    shape = ResponseShape(body, plan, custom, plan.model or server.runtime.model_id, get_str(body, "instructions"),
+                          previous_id, store, new_items)
     if not plan.stream:
         outcome = await collect(server.runtime, prepared, request)
         output = [shape.message_item(outcome.content)] if outcome.content or not outcome.calls else []
         output += [shape.call_item(call) for call in outcome.calls]
+        shape.keep(output, outcome)
         return JSONResponse(shape.response("completed", output, outcome))
     return StreamingResponse(_events(server, prepared, request, shape), media_type="text/event-stream",
                              headers=SSE_HEADERS)
@@ -301,8 +380,9 @@ class _ResponseStream:
         return lines
 
     def completed(self, outcome: Outcome) -> list[str]:
-        return [*self.close_message(),
-                self.event("response.completed", response=self.shape.response("completed", self.output, outcome))]
+        lines = self.close_message()
+        self.shape.keep(self.output, outcome)
+        return [*lines, self.event("response.completed", response=self.shape.response("completed", self.output, outcome))]
 
     def failed(self, error: Exception) -> str:
         """`response.failed` with the error's code and message (an ApiError's own, else server_error)."""

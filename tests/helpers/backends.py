@@ -12,7 +12,7 @@ import importlib.util
 import os
 
 
-def test_backend() -> str:
+def real_model_backend() -> str:
     chosen = os.environ.get("AGENTFOLD_TEST_BACKEND")
     if chosen:
         if chosen not in ("mlx", "torch"):

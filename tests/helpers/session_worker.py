@@ -18,12 +18,12 @@ from agentfold.engine.decode import GenerationConfig  # noqa: E402
 from agentfold.engine.factory import build_engine  # noqa: E402
 from agentfold.serve.models import default_model_path  # noqa: E402
 from agentfold.sessions import SessionManager  # noqa: E402
-from tests.helpers.backends import test_backend  # noqa: E402
+from tests.helpers.backends import real_model_backend  # noqa: E402
 
 
 def main() -> None:
     job = json.load(sys.stdin)
-    engine = build_engine(default_model_path(), drafter="none", self_check=False, backend=test_backend())
+    engine = build_engine(default_model_path(), drafter="none", self_check=False, backend=real_model_backend())
     manager = SessionManager(engine, job["home"])
     config = GenerationConfig(max_tokens=job["max_tokens"], draft=False)
     completion, info = manager.reply(job["messages"], config, session_id=job["session_id"])

@@ -12,42 +12,23 @@ context: the prompt is rendered, tokenized, cached and resumed exactly as SmolLM
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
 import pytest
-from safetensors.torch import save_file
 
 from agentfold.engine.factory import build_engine
 from agentfold.http.app import build_app
 from agentfold.serve.scheduler import Runtime
 from agentfold.serve.service import Service
 from tests.helpers.api_helpers import ServerThread
-from tests.helpers.torch_tiny import random_weights, tiny_config
+from tests.helpers.backends import real_model_backend
+from tests.helpers.long_context import tiny_smollm2_folder
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "claude_code" / "two_turns.json"
 RECORDED = json.loads(FIXTURE.read_text())
 REQUESTS = [request for turn in RECORDED["turns"] for request in turn["requests"]]
 REPLAYED_HEADERS = ("user-agent", "x-claude-code-session-id", "anthropic-beta", "anthropic-version", "x-app")
-
-
-def one_layer_smollm2_folder(path: Path, smollm2_folder: Path, context: int = 32768, seed: int = 0) -> Path:
-    """A one-layer random llama with SmolLM2's tokenizer, chat template and special ids, `context` long.
-
-    One layer, not two: the 12.5K-token first prefill is what this test's time goes to.
-    """
-    path.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        if (smollm2_folder / name).exists():
-            shutil.copy(smollm2_folder / name, path / name)
-    real = json.loads((smollm2_folder / "config.json").read_text())
-    config = tiny_config("llama", real["vocab_size"], layers=1)
-    config.update(max_position_embeddings=context, eos_token_id=real["eos_token_id"],
-                  bos_token_id=real["bos_token_id"])
-    save_file({k: v.contiguous() for k, v in random_weights(config, seed).items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return path
 
 
 ROOM = 8  # tokens each reply gets: the context is set this far above each recorded prompt
@@ -56,8 +37,9 @@ ROOM = 8  # tokens each reply gets: the context is set this far above each recor
 @pytest.fixture(scope="module")
 def served(smollm2_folder, tmp_path_factory):
     """The full stack (sessions in SQLite) on the tiny 32K model, and each recorded prompt's length."""
-    folder = one_layer_smollm2_folder(tmp_path_factory.mktemp("tiny-smollm2") / "model", smollm2_folder)
-    engine = build_engine(folder, drafter="none")  # exactness is not under test here: no self-check
+    # one layer, not two: the 12.5K-token first prefill is what this test's time goes to
+    folder = tiny_smollm2_folder(tmp_path_factory.mktemp("tiny-smollm2") / "model", smollm2_folder, layers=1)
+    engine = build_engine(folder, drafter="none", backend=real_model_backend())  # exactness is not under test here: no self-check
     service = Service(Runtime(engine, "tiny-smollm2"), home=tmp_path_factory.mktemp("home"))
     server = ServerThread(build_app(service)).start()
     try:

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from agentfold.http.response_store import ResponseStore
 from tests.helpers.api_helpers import api_server  # noqa: F401  (fixture)
 
 READ = {"type": "function", "name": "read_file", "description": "Read a file and return its contents.",
@@ -75,9 +76,70 @@ def test_function_call_round_trip(client):
 
 def test_codex_probe_and_stateless_fields(api_server):  # noqa: F811
     body = {"model": "gpt-5-codex", "input": [], "max_output_tokens": 1, "store": False, "stream": False,
-            "previous_response_id": "resp_unknown", "include": ["reasoning.encrypted_content"],
+            "include": ["reasoning.encrypted_content"],
             "reasoning": {"effort": "low"}, "prompt_cache_key": "conv-1", "client_metadata": {"x": 1}}
     reply = httpx.post(api_server.v1 + "/responses", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     data = reply.json()
     assert data["usage"]["output_tokens"] == 1 and data["agentfold"]["session_id"] == "conv-1"
+    assert data["store"] is False and data["previous_response_id"] is None
+
+
+def test_previous_response_id_is_the_whole_conversation(client):
+    first_input = "My name is Ada. Say hello to me."
+    first = client.responses.create(model="gpt-5-codex", input=first_input, instructions="Be brief.",
+                                    max_output_tokens=5)
+    assert first.store is True
+    follow = client.responses.create(model="gpt-5-codex", input="What is my name?", previous_response_id=first.id,
+                                     instructions="Be brief.", max_output_tokens=5)
+    assert follow.previous_response_id == first.id
+    # the same conversation sent whole: same prompt, same (greedy) reply
+    whole = client.responses.create(model="gpt-5-codex", instructions="Be brief.", max_output_tokens=5, store=False, input=[
+        {"role": "user", "content": first_input},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        {"role": "user", "content": "What is my name?"}])
+    assert follow.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens + 10
+    assert follow.output_text == whole.output_text
+    # and a chain of three, through the second response
+    third = client.responses.create(model="gpt-5-codex", input=[{"role": "user", "content": "Thanks."}],
+                                    previous_response_id=follow.id, max_output_tokens=2)
+    assert third.usage.input_tokens > follow.usage.input_tokens + 5
+
+
+@pytest.mark.parametrize("stored", [False, None])
+def test_unknown_previous_response_id_is_a_400(client, stored):
+    previous = "resp_unknown"
+    if stored is False:  # a response made with store: false is not kept
+        previous = client.responses.create(model="gpt-5-codex", input="Hi.", store=False, max_output_tokens=1).id
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="gpt-5-codex", input="Again.", previous_response_id=previous,
+                                max_output_tokens=1)
+    error = caught.value.body
+    assert error["code"] == "previous_response_not_found" and error["param"] == "previous_response_id"
+    assert f"'{previous}' not found" in error["message"] and "send the whole conversation" in error["message"]
+
+
+@pytest.mark.parametrize("item", [
+    {"role": "user", "content": [{"type": "input_text", "text": "What is in this picture?"},
+                                 {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]},
+    {"type": "function_call_output", "call_id": "c1",
+     "output": [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]},
+])
+def test_image_input_is_a_400(client, item):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="gpt-5-codex", input=[item], max_output_tokens=1)
+    assert "is a part of type 'input_image', but the served model is text-only" in caught.value.body["message"]
+    assert caught.value.body["code"] == "unsupported_content"
+
+
+def test_response_store_is_bounded_and_refuses_broken_chains():
+    store = ResponseStore(max_responses=3, max_bytes=10_000)
+    store.put("r1", None, [{"role": "user", "content": "a"}], "s1")
+    store.put("r2", "r1", [{"role": "user", "content": "b"}], "s1")
+    assert store.conversation("r2") == ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "s1")
+    store.put("x1", None, [], None)
+    store.put("r3", "r2", [{"role": "user", "content": "c"}], "s1")  # over three: the least recently used goes
+    assert len(store) == 3 and store.conversation("r1") == ([{"role": "user", "content": "a"}], "s1")
+    assert store.conversation("r3") is None  # r2 is gone, so the chain is broken: refused, never served half
+    store.put("big", None, [{"content": "x" * 20_000}], None)  # larger than the whole store: not kept
+    assert store.conversation("big") is None and len(store) == 3

@@ -108,7 +108,7 @@ EXPECTED_PATHS = {
     ("claude-code", "project"): [".mcp.json", ".claude/settings.json"],
     ("claude-code", "user"): ["~/.claude.json", "~/.claude/settings.json"],
     ("codex", "project"): [".codex/config.toml"],
-    ("codex", "user"): ["~/.codex/config.toml"],
+    ("codex", "user"): ["~/.codex/config.toml", "~/.codex/agentfold.config.toml"],
     ("cursor", "project"): [".cursor/mcp.json"],
     ("cursor", "user"): ["~/.cursor/mcp.json"],
     ("vscode", "project"): [".vscode/mcp.json"],
@@ -154,7 +154,10 @@ def test_templates_say_what_api_md_says(tmp_path: Path) -> None:
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
         "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
     }
-    codex = tomlkit.parse(integrate.plan("codex", env)[0].new).unwrap()
+    codex_config, codex_profile = (tomlkit.parse(c.new).unwrap() for c in integrate.plan("codex", env))
+    codex = codex_config
+    assert "profiles" not in codex and "profile" not in codex  # Codex 0.134+ refuses both
+    assert codex_profile == {"model_provider": "agentfold", "model": MODEL, "model_context_window": 32768}
     assert codex["model_providers"]["agentfold"]["wire_api"] == "responses"
     assert codex["model_providers"]["agentfold"]["base_url"] == "http://127.0.0.1:8080/v1"
     assert codex["mcp_servers"]["agentfold"] == {"url": "http://127.0.0.1:8080/mcp"}
@@ -270,7 +273,7 @@ def test_codex_merge_keeps_toml_comments_and_tables(tmp_path: Path) -> None:
     data = tomlkit.parse(new).unwrap()
     assert data["model"] == "gpt-5-codex" and data["mcp_servers"]["github"] == {"command": "gh-mcp"}
     assert data["mcp_servers"]["agentfold"] == {"url": "http://127.0.0.1:8080/mcp"}
-    assert data["profiles"]["agentfold"] == {"model_provider": "agentfold", "model": MODEL}
+    assert "profiles" not in data  # the profile is its own file since Codex 0.134
     # switching transport replaces AgentFold's own entry, not its neighbours
     stdio = merge(targets("codex", make_env(tmp_path, "user", "stdio"))[0], new).new
     assert tomlkit.parse(stdio).unwrap()["mcp_servers"]["agentfold"] == {
