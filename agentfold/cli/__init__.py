@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from agentfold import prepare_process
+from agentfold import __version__, prepare_process
 from agentfold.cli.args import progress
 
 
@@ -18,15 +18,16 @@ def _commands() -> dict[str, ModuleType]:
     """The modules that add their subcommands and run them. Imported here, not at the top, so that
     `python -m agentfold.cli.sessions` (whose package this is) does not import itself twice."""
     from agentfold.bench import load as loadtest
-    from agentfold.cli import bench, generate, offload, ops, serve, sessions
+    from agentfold.cli import bench, generate, models, offload, ops, serve, sessions
     from agentfold.integrations import writer as integrate
 
     return {"generate": generate, "bench": bench, "offload": offload, "integrate": integrate, "loadtest": loadtest,
-            "serve": serve, "ops": ops, "sessions": sessions}
+            "serve": serve, "ops": ops, "sessions": sessions, "models": models}
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentfold", description="Local inference runtime for coding agents.")
+    parser.add_argument("--version", action="version", version=f"agentfold {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = _commands()
     commands["generate"].add_parser(sub)
@@ -35,9 +36,10 @@ def _build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out_dir")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "keep"])
 
-    for name in ("bench", "offload", "integrate", "loadtest", "serve", "sessions"):
+    for name in ("models", "bench", "offload", "integrate", "loadtest", "serve", "sessions"):
         commands[name].add_parser(sub)
     commands["ops"].add_parsers(sub)
+    sub.add_parser("version", help="print the version")
     return parser
 
 
@@ -52,6 +54,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    if args.command == "version":
+        print(f"agentfold {__version__}")
+        return 0
     prepare_process()
     commands = _commands()
     handlers = {name: module.run for name, module in commands.items() if name not in ("ops", "offload")}

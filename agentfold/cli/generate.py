@@ -11,12 +11,14 @@ import json
 import sys
 from typing import Any
 
-from agentfold.cli.args import add_model_args, progress
+from agentfold.cli.args import add_ctx_size_arg, add_model_args, add_model_dir_arg, check_ctx_size, progress
 
 
 def add_parser(sub: Any) -> None:
     gen = sub.add_parser("generate", help="generate a reply to a prompt, streamed")
     add_model_args(gen)
+    add_model_dir_arg(gen)
+    add_ctx_size_arg(gen)
     gen.add_argument("prompt", help="the user message (use - to read stdin)")
     gen.add_argument("--draft-model", help="a small model sharing the tokenizer, used as drafter")
     gen.add_argument("--drafter", default="suffix", choices=["suffix", "draft-model", "none"])
@@ -38,15 +40,15 @@ def run(args: argparse.Namespace) -> int:
     from agentfold.engine.decode import GenerationConfig
     from agentfold.engine.factory import build_engine
     from agentfold.engine.sampler import SamplingParams
-    from agentfold.serve.models import resolve, verdict_file
+    from agentfold.serve.models import describe, resolve, verdict_file
 
+    path = resolve(args.model, args.model_dir)
+    described = describe(path)
+    trained = described.context_length
+    check_ctx_size(args.ctx_size, trained, described.name)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, seed=args.seed)
-    config = GenerationConfig(params=params, max_tokens=args.max_tokens, stop=tuple(args.stop),
-                              draft=not args.no_draft)
     drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
-    engine = build_engine(resolve(args.model), dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
+    engine = build_engine(path, dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
                           progress=progress, backend=args.backend, device=args.device, quant=args.quant,
                           verdicts=verdict_file())
     tokenizer = engine.tokenizer
@@ -57,6 +59,14 @@ def run(args: argparse.Namespace) -> int:
             {"role": "user", "content": prompt}
         ]
         ids = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)  # the server's renderer
+    context = args.ctx_size or trained
+    if context is not None and len(ids) >= context:
+        raise ValueError(f"the prompt is {len(ids)} tokens: no room for a reply in a context of {context} "
+                         "(shorten it, or raise --ctx-size)")
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, seed=args.seed)
+    max_tokens = args.max_tokens if context is None else min(args.max_tokens, context - len(ids))
+    config = GenerationConfig(params=params, max_tokens=max_tokens, stop=tuple(args.stop), draft=not args.no_draft)
     generation = engine.stream(ids, config)
     for delta in generation:
         sys.stdout.write(delta.text)

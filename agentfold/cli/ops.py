@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agentfold.cli.args import progress
+from agentfold.cli.args import MODEL_HELP, progress
 
 COMMANDS = ("mcp", "stats", "audit")  # what run() handles: cli.main can route these names to it
 DTYPES = ["float32", "bfloat16", "float16", "keep"]
@@ -43,7 +43,7 @@ def _home(args: argparse.Namespace) -> Path:
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="GGUF file or MLX/Hugging Face folder (default: embedded SmolLM2-135M)")
+    parser.add_argument("--model", help=MODEL_HELP)
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="weights dtype after loading (use the one the server used)")
     parser.add_argument("--home", default=None,

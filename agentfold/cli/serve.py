@@ -1,7 +1,9 @@
-"""`agentfold serve`: load one model, then serve it over HTTP until interrupted.
+"""`agentfold serve`: bind, load one model while answering /health with 503 "loading", then serve it.
 
-The port is checked before the model loads (loading takes seconds to minutes; finding out the
-port is taken afterwards wastes them), and loading reports progress on stderr line by line.
+The port is bound before the model loads (loading takes seconds to minutes; finding out the port
+is taken afterwards wastes them) and that same socket serves the model once it is ready (see
+`agentfold.cli.loading`). Loading reports progress on stderr line by line. Every option can also
+come from an `AGENTFOLD_<OPTION>` environment variable (`agentfold.cli.env`).
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import socket
+import threading
 from typing import Any
 
-from agentfold.cli.args import add_model_args, progress
+from agentfold.cli.args import add_ctx_size_arg, add_model_args, add_model_dir_arg, check_ctx_size, progress
+from agentfold.cli.env import apply_env_defaults, check_env
 from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
@@ -26,6 +29,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="serve the model over HTTP (OpenAI, Responses, Anthropic APIs)",
                                    description="Serve one local model to coding assistants over HTTP.")
     add_model_args(parser)
+    add_model_dir_arg(parser)
+    add_ctx_size_arg(parser)
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     parser.add_argument("--drafter", default="suffix", choices=["suffix", "draft-model", "none"],
@@ -54,89 +59,189 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--audit-rate", type=float, default=0.0,
                         help="share of drafted turns replayed serially after the reply to check exactness (0..1)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    apply_env_defaults(parser)
     return parser
 
 
 def default_aliases(name: str) -> list[str]:
     """Short names for a checkpoint: `SmolLM2-135M-Instruct.Q4_1` -> `smollm2-135m-instruct`."""
-    stem = re.sub(r"[.-](q\d.*|f16|f32|bf16|gguf)$", "", name, flags=re.IGNORECASE)
-    aliases = [stem.lower(), name.lower()]
-    return [a for i, a in enumerate(aliases) if a and a != name and a not in aliases[:i]]
+    from agentfold.serve.models import short_names
+
+    return short_names(name)
 
 
-def _check_port(host: str, port: int) -> None:
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket the server keeps for its whole life (bound once: no race for the port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error} "
-                          "(is another server running? pick another --port)") from error
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error} "
+                      "(is another server running? pick another --port)") from error
+    return sock
 
 
 def check_limits(args: argparse.Namespace) -> None:
     """Refuse unsafe or impossible settings before the model loads (one readable line, exit 2)."""
+    check_env(args)
     if not is_loopback(args.host) and not args.api_key:
         raise ValueError(f"refusing to listen on {args.host} without an API key: anyone on the network could "
                          "use the model and read its sessions; pass --api-key (or set AGENTFOLD_API_KEY), "
                          "or keep the default --host 127.0.0.1")
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, not {args.max_queue}")
-    if args.max_body_bytes < 1024:
-        raise ValueError(f"--max-body-bytes must be >= 1024, not {args.max_body_bytes}")
+    checks = [(0 < args.port < 65536, f"--port must be in 1..65535, not {args.port}"),
+              (args.max_active >= 1, f"--max-active must be >= 1, not {args.max_active}"),
+              (args.max_queue >= 0, f"--max-queue must be >= 0, not {args.max_queue}"),
+              (args.max_body_bytes >= 1024, f"--max-body-bytes must be >= 1024, not {args.max_body_bytes}"),
+              (0.0 <= args.audit_rate <= 1.0, f"--audit-rate must be in [0, 1], not {args.audit_rate}"),
+              (args.ctx_size is None or args.ctx_size >= 16, f"--ctx-size must be >= 16, not {args.ctx_size}"),
+              (args.default_max_tokens is None or args.default_max_tokens >= 1,
+               f"--default-max-tokens must be >= 1, not {args.default_max_tokens}")]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+class _LoadInterrupted(Exception):
+    """Raised from the progress callback when the server stops while the model loads."""
+
+
+class ModelLoader(threading.Thread):
+    """Loads the model, builds runtime, service and app, and switches the server over to them."""
+
+    def __init__(self, args: argparse.Namespace, path: Any, names: list[str], switching: Any, loading: Any) -> None:
+        super().__init__(name="agentfold-load", daemon=True)
+        self.args, self.path, self.names = args, path, names
+        self.switching, self.loading = switching, loading
+        self.stopping = threading.Event()
+        self.service: Any = None
+        self.error: BaseException | None = None
+        self.on_failure = lambda: None  # set by `run`: stop the server
+
+    def say(self, message: str) -> None:
+        if self.stopping.is_set():
+            raise _LoadInterrupted
+        self.loading.stage = message
+        progress(message)
+
+    def run(self) -> None:
+        try:
+            self._load()
+        except _LoadInterrupted:
+            pass
+        except BaseException as error:  # reported by `run` in the main thread (one line, exit 2)
+            self.error = error
+            self.on_failure()
+
+    def _load(self) -> None:
+        self.say(f"loading {self.path}")
+        from agentfold.engine.factory import build_engine
+        from agentfold.http.app import build_app
+        from agentfold.serve.models import verdict_file
+        from agentfold.serve.scheduler import Runtime
+        from agentfold.serve.service import Service
+
+        args = self.args
+        drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
+        engine = build_engine(self.path, dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
+                              progress=self.say, backend=args.backend, device=args.device, quant=args.quant,
+                              verdicts=verdict_file())
+        self.say("starting the runtime")
+        name = engine.backend.loaded.name
+        aliases = [n for n in dict.fromkeys([*args.alias, *self.names, *default_aliases(name)]) if n != name]
+        runtime = Runtime(engine, name, aliases=aliases, max_active=args.max_active, max_queue=args.max_queue,
+                          context_length=args.ctx_size)
+        self.service = Service(runtime, home=args.home, sessions=not args.no_sessions, audit_rate=args.audit_rate)
+        app = build_app(self.service, api_key=args.api_key, default_max_tokens=args.default_max_tokens,
+                        host=args.host, max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin)
+        keyed, args.api_key = bool(args.api_key), None  # only its hash is kept (serve.auth)
+        if not self.switching.switch(app, self.stopping):
+            return
+        progress(f"sessions and telemetry in {self.service.home}")
+        progress(f"serving {name} (context {runtime.context_length}, {engine.exactness.describe()}) "
+                 f"on http://{args.host}:{args.port}  names: {', '.join(runtime.model_names)}")
+        if keyed:
+            progress("API key required on every route but /health")
+
+    def stop(self) -> None:
+        """At shutdown, before uvicorn waits for its clients: interrupt the load, or close the runtime so
+        the turns decoding end now (the worker checks between prefill layer steps and verify passes)."""
+        if self.service is None:
+            if self.is_alive() and self.error is None:
+                progress("stopping: interrupting the model load")
+            self.stopping.set()
+            return
+        runtime = self.service.runtime
+        running, queued = runtime.running(), runtime.waiting
+        if running or queued:
+            progress(f"stopping: ending {len(running)} running and {queued} queued turns (their clients get 503 "
+                     "\"shutting down\"), then writing pending session snapshots")
+        # Not turn.cancel(): a cancelled turn ends as TurnCancelled (a 500 to its client), a closed one as 503.
+        runtime.close(timeout=0)
+
+
+def _model_names(args: argparse.Namespace) -> tuple[Any, str, list[str]]:
+    """The path to load, its name and its catalogue short names; refuses a --ctx-size past the trained context."""
+    from agentfold.serve.models import describe, entry_for, resolve
+
+    path = resolve(args.model, args.model_dir)
+    entry = entry_for(path, args.model_dir) or describe(path)
+    check_ctx_size(args.ctx_size, entry.context_length, entry.name)
+    return path, entry.name, entry.aliases
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load, build the runtime and serve; returns the exit status."""
+    """Bind, serve 503 "loading" while the model loads, then serve it; returns the exit status."""
     import uvicorn
 
-    from agentfold.engine.factory import build_engine
-    from agentfold.http.app import build_app
-    from agentfold.serve.models import resolve, verdict_file
-    from agentfold.serve.scheduler import Runtime
-    from agentfold.serve.service import Service
+    from agentfold.cli.loading import LoadingApp, SwitchingApp
 
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, not {args.port}")
-    if args.max_active < 1:
-        raise ValueError(f"--max-active must be >= 1, not {args.max_active}")
     check_limits(args)
-    if not 0.0 <= args.audit_rate <= 1.0:
-        raise ValueError(f"--audit-rate must be in [0, 1], not {args.audit_rate}")
-    if args.default_max_tokens is not None and args.default_max_tokens < 1:
-        raise ValueError(f"--default-max-tokens must be >= 1, not {args.default_max_tokens}")
-    _check_port(args.host, args.port)
+    sock = bind(args.host, args.port)
+    try:
+        path, name, names = _model_names(args)
+    except BaseException:
+        sock.close()
+        raise
     logging.basicConfig(level=args.log_level.upper(), format="[agentfold] %(levelname)s %(name)s: %(message)s")
-
-    path = resolve(args.model)
-    drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
-    progress(f"loading {path}")
-    engine = build_engine(path, dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
-                          progress=progress, backend=args.backend, device=args.device, quant=args.quant,
-                          verdicts=verdict_file())
-    name = engine.backend.loaded.name
-    runtime = Runtime(engine, name, aliases=[*args.alias, *default_aliases(name)], max_active=args.max_active,
-                      max_queue=args.max_queue)
-    service = Service(runtime, home=args.home, sessions=not args.no_sessions, audit_rate=args.audit_rate)
-    app = build_app(service, api_key=args.api_key, default_max_tokens=args.default_max_tokens, host=args.host,
-                    max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin)
-    keyed, args.api_key = bool(args.api_key), None  # only its hash is kept (serve.auth)
-    progress(f"sessions and telemetry in {service.home}")
-    progress(f"serving {name} (context {runtime.context_length}, {engine.exactness.describe()}) "
-              f"on http://{args.host}:{args.port}  names: {', '.join(runtime.model_names)}")
-    if keyed:
-        progress("API key required on every route but /health")
+    loading = LoadingApp(name)  # its name, not its path: a 503 needs no key, so it must not reveal folders
+    switching = SwitchingApp(loading)
+    loader = ModelLoader(args, path, names, switching, loading)
+    server = _server(uvicorn.Config(switching, log_level=args.log_level, access_log=False,
+                                    timeout_graceful_shutdown=5), on_stop=loader.stop)
+    loader.on_failure = lambda: setattr(server, "should_exit", True)
+    progress(f"listening on http://{args.host}:{args.port} (/health answers 503 until the model is ready)")
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler found here: the
     # default one would kill the process before the sessions flush and telemetry closes below.
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    loader.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                    timeout_graceful_shutdown=5)
+        server.run(sockets=[sock])
     finally:
-        progress("stopping: writing pending session snapshots, closing telemetry")
-        service.close()
+        loader.stopping.set()
+        loader.join(30)
+        if loader.service is not None:
+            progress("stopping: writing pending session snapshots, closing telemetry")
+            loader.service.close()
+        sock.close()
+    if loader.error is not None:
+        raise loader.error
     return 0
+
+
+def _server(config: Any, on_stop: Any) -> Any:
+    """uvicorn's Server, calling `on_stop` when shutdown begins (before uvicorn waits for clients)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            on_stop()
+            await super().shutdown(sockets=sockets)
+
+    return Server(config)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

