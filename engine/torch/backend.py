@@ -140,6 +140,8 @@ class TorchBackend:
         """Kernel identity and library versions: what, besides the weights, decides the bytes."""
         offload = getattr(self.model, "expert_offload", None)  # offloaded experts use other arithmetic
         kernels = ops.describe(self.device)
+        if getattr(self.model, "layout", None) is not None:  # sliding-window layers (Gemma 3): their own blocks
+            kernels["windowed_attention"] = f"block{ops.WINDOW_BLOCK}"
         if self.quant == "int8":
             from agentfold.kernels import int8_linear
 

@@ -91,3 +91,34 @@ def write_folder(path: Path, model_type: str, seed: int = 0, layers: int = 2, no
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(str(path))
     return path
+
+
+def gemma3_config(vocab_size: int, layers: int = 3, window: int = 8, all_sliding: bool = False) -> dict[str, Any]:
+    """A tiny Gemma 3 text config: every third layer global (or none), a `window`-key sliding window,
+    and a query scale that is not head_dim ** -0.5 (so a model that ignores it shows)."""
+    config = tiny_config("gemma3_text", vocab_size, layers)
+    config.update(architectures=["Gemma3ForCausalLM"], tie_word_embeddings=True, query_pre_attn_scalar=32,
+                  sliding_window=window, sliding_window_pattern=3, rope_theta=1_000_000.0,
+                  rope_local_base_freq=10_000.0, hidden_activation="gelu_pytorch_tanh")
+    if all_sliding:
+        config["layer_types"] = ["sliding_attention"] * layers
+    return config
+
+
+def write_gemma3_folder(path: Path, seed: int = 0, layers: int = 3, window: int = 8,
+                        all_sliding: bool = False) -> Path:
+    """A loadable tiny Gemma 3 folder (tied head, Gemma's four norms per layer, q / k norms)."""
+    tokenizer = make_tokenizer()
+    config = gemma3_config(len(tokenizer), layers, window, all_sliding)
+    config["eos_token_id"] = tokenizer.eos_token_id
+    weights = random_weights({**config, "model_type": "qwen3"}, seed)  # Llama names plus q / k norms
+    del weights["lm_head.weight"]
+    g = torch.Generator().manual_seed(seed + 1)
+    for i in range(layers):
+        for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            weights[f"model.layers.{i}.{norm}.weight"] = torch.randn(HIDDEN, generator=g) * 0.08
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer.save_pretrained(str(path))
+    return path

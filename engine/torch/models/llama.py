@@ -7,13 +7,15 @@ rest (RoPE, SiLU, residual adds) is elementwise. Parameter names match Hugging F
 so a safetensors state dict loads as is.
 
 Family differences are flags: Qwen2 has q/k/v biases, Qwen3 RMS-normalizes q and k per head,
-SmolLM2 ties the output head to the embedding.
+SmolLM2 ties the output head to the embedding. Gemma 3 (`gemma3`) reuses these pieces through
+their hooks: the norm class, the MLP's activation, an attention window and scale, a per-layer
+RoPE table and a scaled embedding.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,9 +120,10 @@ class Rope(nn.Module):
 
     BLOCK = 1024
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, factor: float = 1.0) -> None:
+        """`factor`: linear RoPE scaling (positions divided by it, as Hugging Face's `linear` type)."""
         super().__init__()
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)) / factor
         self.register_buffer("cos", torch.empty(0, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(0, head_dim), persistent=False)
 
@@ -147,17 +150,20 @@ class Rope(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Grouped-query attention; `window` (None: all earlier keys) limits a row to its last `window` keys."""
+
+    def __init__(self, args: ModelArgs, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.scale = 1.0 / math.sqrt(args.head_dim)
+        self.window: int | None = None
         hidden, q_size, kv_size = args.hidden_size, self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.q_proj = Linear(hidden, q_size, args.qkv_bias)
         self.k_proj = Linear(hidden, kv_size, args.qkv_bias)
         self.v_proj = Linear(hidden, kv_size, args.qkv_bias)
         self.o_proj = Linear(q_size, hidden, args.o_bias)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.q_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.qkv: Fused | None = None  # q, k, v in one GEMM (int8 weights: one quantization of x)
 
     def forward(self, x: torch.Tensor, cache: LayerCache, start: int, positions: torch.Tensor,
@@ -175,15 +181,17 @@ class Attention(nn.Module):
         q, k = rope(q, start), rope(k, start)
         cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
         keys, values = cache.read(start + m)
-        out = ops.attention(q.transpose(0, 1).contiguous(), keys, values, positions, self.scale)
+        out = ops.attention(q.transpose(0, 1).contiguous(), keys, values, positions, self.scale, self.window)
         return self.o_proj(out.transpose(0, 1).reshape(m, self.heads * d))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(activation(gate(x)) * up(x)); SwiGLU unless told (Gemma: GELU-tanh)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = ops.silu) -> None:
         super().__init__()
+        self.activation = activation
         self.gate_proj = Linear(hidden, intermediate, bias)
         self.up_proj = Linear(hidden, intermediate, bias)
         self.down_proj = Linear(intermediate, hidden, bias)
@@ -191,7 +199,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(ops.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
 
 class Fused(nn.Module):
@@ -229,36 +237,46 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """Hugging Face's `model.*`: embedding, decoder layers, final norm."""
 
-    def __init__(self, args: ModelArgs, layers: list[DecoderLayer]) -> None:
+    def __init__(self, args: ModelArgs, layers: list[nn.Module], norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = norm(args.hidden_size, args.rms_norm_eps)
 
 
 class Transformer(nn.Module):
     """A decoder-only model over one sequence with a static KV cache."""
 
-    def __init__(self, args: ModelArgs, layers: list[DecoderLayer] | None = None) -> None:
+    norm_class: type[RMSNorm] = RMSNorm  # the final norm's class (Gemma: its 1 + weight norm)
+
+    def __init__(self, args: ModelArgs, layers: list[nn.Module] | None = None) -> None:
         super().__init__()
         self.args = args
         if layers is None:
             layers = [DecoderLayer(args, MLP(args.hidden_size, args.intermediate_size, args.mlp_bias))
                       for _ in range(args.num_hidden_layers)]
-        self.model = Backbone(args, layers)
+        self.model = Backbone(args, layers, self.norm_class)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
         self.rope = Rope(args.head_dim, args.rope_theta)
         self.head_int8: Int8Weight | None = None  # the output head as int8 (tied heads too)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The hidden states [m, hidden] the first layer reads for tokens [m]."""
+        return self.model.embed_tokens(tokens)
+
+    def rope_for(self, layer: nn.Module) -> Rope:
+        """The RoPE table `layer` rotates with (one for all layers here)."""
+        return self.rope
 
     def layer_steps(self, tokens: torch.Tensor, cache: list[LayerCache], start: int,
                     final: list[torch.Tensor] | None = None) -> Iterator[None]:
         """The decoder layers over tokens [m] one at a time, yielding after each (the last hidden
         state goes to `final`): a scheduler can run other work between the layers of a prefill.
         The arithmetic is `forward`'s own: it runs through this too."""
-        h = self.model.embed_tokens(tokens)
+        h = self.embed(tokens)
         positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
         for layer, layer_cache in zip(self.model.layers, cache, strict=True):
-            h = layer(h, layer_cache, start, positions, self.rope)
+            h = layer(h, layer_cache, start, positions, self.rope_for(layer))
             yield
         if final is not None:
             final.append(h)
