@@ -46,6 +46,9 @@ class Settings:
             "MODEL": self.model,
             "CONTEXT_LENGTH": self.context_length,
             "MAX_OUTPUT_TOKENS": self.max_output_tokens,
+            # Claude Code compacts at min(its idea of the model's window, this): it takes an unknown
+            # model name for a 1M-token model and would otherwise overflow the served context
+            "AUTO_COMPACT_WINDOW": str(self.context_length),
             "AGENTFOLD": self.command,
         }
         if self.model_path is not None:

@@ -153,6 +153,7 @@ def test_templates_say_what_api_md_says(tmp_path: Path) -> None:
         "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
         "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "32768",  # the served context: Claude Code compacts before it fills
     }
     codex_config, codex_profile = (tomlkit.parse(c.new).unwrap() for c in integrate.plan("codex", env))
     codex = codex_config
