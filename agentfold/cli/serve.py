@@ -214,9 +214,12 @@ def run(args: argparse.Namespace) -> int:
                                     timeout_graceful_shutdown=5), on_stop=loader.stop)
     loader.on_failure = lambda: setattr(server, "should_exit", True)
     progress(f"listening on http://{args.host}:{args.port} (/health answers 503 until the model is ready)")
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler found here: the
-    # default one would kill the process before the sessions flush and telemetry closes below.
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises it under the handler found
+    # here: the default SIGTERM one would kill the process before the sessions flush and telemetry
+    # closes below, and SIGINT may be inherited as ignored (a server started with `&`), which made
+    # Ctrl-C's exit status 0 there. Both unwind to 128 + signal.
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
     loader.start()
     try:
         server.run(sockets=[sock])
