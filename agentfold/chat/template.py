@@ -70,16 +70,14 @@ def render_chat(tokenizer, messages: Sequence[dict[str, Any]], tools: Sequence[T
     has_tool_traffic = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     if not getattr(tokenizer, "chat_template", None):
         return _plain_render(_flatten(messages, specs), add_generation_prompt)
+    in_place = system_in_place(tokenizer)
     if template_knows_tools(tokenizer) and (specs or has_tool_traffic):
         try:
-            in_place = system_in_place(tokenizer)
-            first = next((i for i, m in enumerate(messages) if _simple(m)["role"] != "system"), len(messages))
-            native = [_native_message(m, in_place, i < first) for i, m in enumerate(messages)]
+            native = _place_system([_native_message(m) for m in messages], in_place)
             return tokenizer.apply_chat_template(native, tools=[t.as_openai() for t in specs] or None,
                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as error:  # a template that chokes on tools: fall back to our own section
             log.info("chat template rejected native tools (%s); describing them in the system prompt", error)
-    in_place = system_in_place(tokenizer)
     if specs or has_tool_traffic:
         flat = _flatten(messages, specs, in_place)
     else:
@@ -180,10 +178,8 @@ def _simple(message: dict[str, Any]) -> dict[str, str]:
     return {"role": role, "content": _text(message.get("content"))}
 
 
-def _native_message(message: dict[str, Any], in_place: bool = True, leading: bool = True) -> dict[str, Any]:
+def _native_message(message: dict[str, Any]) -> dict[str, Any]:
     out = _simple(message)
-    if out["role"] == "system" and not (in_place or leading):
-        out["role"] = "user"
     calls = []
     for call in message.get("tool_calls") or []:
         function = call.get("function", call)

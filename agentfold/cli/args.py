@@ -42,6 +42,11 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
                         help="torch backend device (auto: cuda if visible)")
 
 
+def drafter_choice(args: argparse.Namespace) -> str:
+    """The drafter `--no-draft`, `--draft-model` and `--drafter` name together (generate and serve)."""
+    return "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
+
+
 def add_model_dir_arg(parser: argparse.ArgumentParser) -> None:
     """--model-dir: more places whose GGUF files and model folders `--model NAME` finds."""
     parser.add_argument("--model-dir", action="append", default=[], metavar="PATH",

@@ -11,7 +11,14 @@ import json
 import sys
 from typing import Any
 
-from agentfold.cli.args import add_ctx_size_arg, add_model_args, add_model_dir_arg, check_ctx_size, progress
+from agentfold.cli.args import (
+    add_ctx_size_arg,
+    add_model_args,
+    add_model_dir_arg,
+    check_ctx_size,
+    drafter_choice,
+    progress,
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -47,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     trained = described.context_length
     check_ctx_size(args.ctx_size, trained, described.name)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
+    drafter = drafter_choice(args)
     engine = build_engine(path, dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
                           progress=progress, backend=args.backend, device=args.device, quant=args.quant,
                           verdicts=verdict_file())

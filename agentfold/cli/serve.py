@@ -16,7 +16,14 @@ import socket
 import threading
 from typing import Any
 
-from agentfold.cli.args import add_ctx_size_arg, add_model_args, add_model_dir_arg, check_ctx_size, progress
+from agentfold.cli.args import (
+    add_ctx_size_arg,
+    add_model_args,
+    add_model_dir_arg,
+    check_ctx_size,
+    drafter_choice,
+    progress,
+)
 from agentfold.cli.env import apply_env_defaults, check_env
 from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, is_loopback
 
@@ -63,13 +70,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def default_aliases(name: str) -> list[str]:
-    """Short names for a checkpoint: `SmolLM2-135M-Instruct.Q4_1` -> `smollm2-135m-instruct`."""
-    from agentfold.serve.models import short_names
-
-    return short_names(name)
-
-
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket the server keeps for its whole life (bound once: no race for the port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -97,12 +97,12 @@ def check_limits(args: argparse.Namespace) -> None:
               (args.max_queue >= 0, f"--max-queue must be >= 0, not {args.max_queue}"),
               (args.max_body_bytes >= 1024, f"--max-body-bytes must be >= 1024, not {args.max_body_bytes}"),
               (0.0 <= args.audit_rate <= 1.0, f"--audit-rate must be in [0, 1], not {args.audit_rate}"),
-              (args.ctx_size is None or args.ctx_size >= 16, f"--ctx-size must be >= 16, not {args.ctx_size}"),
               (args.default_max_tokens is None or args.default_max_tokens >= 1,
                f"--default-max-tokens must be >= 1, not {args.default_max_tokens}")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    check_ctx_size(args.ctx_size, None, "")  # its lower bound now; the trained context once the model is known
 
 
 class _LoadInterrupted(Exception):
@@ -140,18 +140,18 @@ class ModelLoader(threading.Thread):
         self.say(f"loading {self.path}")
         from agentfold.engine.factory import build_engine
         from agentfold.http.app import build_app
-        from agentfold.serve.models import verdict_file
+        from agentfold.serve.models import short_names, verdict_file
         from agentfold.serve.scheduler import Runtime
         from agentfold.serve.service import Service
 
         args = self.args
-        drafter = "none" if args.no_draft else ("draft-model" if args.draft_model else args.drafter)
+        drafter = drafter_choice(args)
         engine = build_engine(self.path, dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
                               progress=self.say, backend=args.backend, device=args.device, quant=args.quant,
                               verdicts=verdict_file())
         self.say("starting the runtime")
         name = engine.backend.loaded.name
-        aliases = [n for n in dict.fromkeys([*args.alias, *self.names, *default_aliases(name)]) if n != name]
+        aliases = [n for n in dict.fromkeys([*args.alias, *self.names, *short_names(name)]) if n != name]
         runtime = Runtime(engine, name, aliases=aliases, max_active=args.max_active, max_queue=args.max_queue,
                           context_length=args.ctx_size)
         self.service = Service(runtime, home=args.home, sessions=not args.no_sessions, audit_rate=args.audit_rate)

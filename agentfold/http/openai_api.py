@@ -234,11 +234,6 @@ def chat_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-def ask_logprobs(prepared: PreparedTurn, count: int | None) -> None:
-    """Have the engine compute logprobs for this turn (each from the row that chose its token)."""
-    prepared.request.config.logprobs = count
-
-
 def _token_json(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
     raw = token_bytes(tokenizer, token_id)
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
@@ -313,15 +308,14 @@ def chat_plan(body: dict[str, Any], request: Request) -> ChatPlan:
 async def chat_completions(server, request: Request, body: dict[str, Any]):
     plan = chat_plan(body, request)
     usage_wanted = include_usage(body)
-    logprobs = chat_logprobs(body)
+    plan.logprobs = chat_logprobs(body)
     prepared = prepare(server.runtime, plan, "chat", request, server.default_max_tokens)
-    ask_logprobs(prepared, logprobs)
     model = plan.model or server.runtime.model_id
     chat_id, created = new_id("chatcmpl-"), now()
     if plan.stream:
         head = {"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": FINGERPRINT}
-        events = _chat_events(server, prepared, request, head, usage_wanted, LogprobStream(logprobs))
+        events = _chat_events(server, prepared, request, head, usage_wanted, LogprobStream(plan.logprobs))
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     outcome = await collect(server.runtime, prepared, request)
     calls = [_call_json(call) for call in outcome.calls]
@@ -417,9 +411,8 @@ def completions_plan(server, body: dict[str, Any], request: Request) -> ChatPlan
 async def completions(server, request: Request, body: dict[str, Any]):
     plan = completions_plan(server, body, request)
     usage_wanted = include_usage(body)
-    logprobs = get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    plan.logprobs = get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     prepared = prepare(server.runtime, plan, "completions", request, server.default_max_tokens)
-    ask_logprobs(prepared, logprobs)
     model = plan.model or server.runtime.model_id
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": model,
             "system_fingerprint": FINGERPRINT}
@@ -429,7 +422,7 @@ async def completions(server, request: Request, body: dict[str, Any]):
         return JSONResponse({**head, "choices": [{"index": 0, "text": outcome.content, "logprobs": block,
                                                   "finish_reason": outcome.finish}],
                              "usage": usage_block(outcome), "timings": outcome.timings, "agentfold": outcome.agentfold})
-    stream = LogprobStream(logprobs)
+    stream = LogprobStream(plan.logprobs)
 
     def chunk(text: str, offset: int, finish: str | None = None, entries: list[TokenLogprob] | None = None,
               **extra: Any) -> str:

@@ -115,7 +115,7 @@ def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
     max_tokens, clamp = _reply_budget(plan, len(prompt), runtime.context_length, default_max_tokens)
     prefix = ""
     config = GenerationConfig(params=params, max_tokens=max_tokens,
-                              stop=tuple(dict.fromkeys([*plan.stop, *internal_stops])), draft=plan.draft,
+                              stop=tuple(dict.fromkeys([*plan.stop, *internal_stops])), draft=plan.draft, logprobs=plan.logprobs,
                               grammar=checked_grammar(plan) if plan.raw_prompt is None else None)
     turn_request = TurnRequest(
         prompt=prompt, config=config, api=api, client=client,

@@ -173,7 +173,8 @@ def _describe_folder(entry: ModelEntry) -> ModelEntry:
 
 def config_context_length(config: dict[str, Any]) -> int | None:
     """The trained context window a Hugging Face / MLX config.json states, if any."""
-    for scope in (config, config.get("text_config") or {}):
+    text_config = config.get("text_config")
+    for scope in (config, text_config if isinstance(text_config, dict) else {}):
         for key in ("max_position_embeddings", "n_positions", "max_seq_len", "context_length", "seq_length"):
             value = scope.get(key)
             if isinstance(value, int) and value > 0:

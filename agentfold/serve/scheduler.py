@@ -33,6 +33,7 @@ from typing import Any
 
 from agentfold.engine.decode import Completion, Delta, Engine, Generation, GenerationConfig, first_mismatch
 from agentfold.serve.limits import DEFAULT_MAX_QUEUE
+from agentfold.serve.models import config_context_length
 from agentfold.serve.turn_log import watch_prefill
 
 log = logging.getLogger(__name__)
@@ -456,13 +457,4 @@ def _wait_native_exit(thread: threading.Thread, timeout: float = 5.0) -> None:
 def _context_length(engine: Engine) -> int:
     """The model's context window from its config (max_position_embeddings and friends)."""
     config = getattr(getattr(engine.backend, "loaded", None), "config", None) or {}
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "context_length", "seq_length"):
-        value = config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    text_config = config.get("text_config")
-    if isinstance(text_config, dict):
-        value = text_config.get("max_position_embeddings")
-        if isinstance(value, int) and value > 0:
-            return value
-    return 4096
+    return config_context_length(config) or 4096

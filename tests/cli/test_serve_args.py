@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from agentfold.cli.serve import add_parser, default_aliases, run
+from agentfold.cli.serve import add_parser, run
+from agentfold.serve.models import short_names
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -24,8 +25,8 @@ def test_defaults_are_loopback_8080():
 
 
 def test_short_aliases():
-    assert default_aliases("SmolLM2-135M-Instruct.Q4_1") == ["smollm2-135m-instruct", "smollm2-135m-instruct.q4_1"]
-    assert default_aliases("qwen2.5-coder") == []
+    assert short_names("SmolLM2-135M-Instruct.Q4_1") == ["smollm2-135m-instruct", "smollm2-135m-instruct.q4_1"]
+    assert short_names("qwen2.5-coder") == []
 
 
 def test_busy_port_fails_before_loading():
