@@ -21,7 +21,7 @@ from typing import Any
 from agentfold.engine.constraints import GrammarConstraint
 from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import Drafter
-from agentfold.engine.protocol import Backend, CacheState
+from agentfold.engine.protocol import Backend, CacheState, Checkpoint
 from agentfold.engine.sampler import SamplingParams, TokenLogprob, choose, token_logprob
 from agentfold.engine.selfcheck import ExactnessReport
 
@@ -192,15 +192,60 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
 
 
-class Generation:
-    """Iterate for `Delta`s; `completion` is set once the reply is finished."""
+@dataclass
+class PassRequest:
+    """A verify pass a reply asks for: its pending token and drafts, appended to its cache.
 
-    def __init__(self, steps: Iterator[Delta]) -> None:
-        self._steps = steps
+    The generation yields it and waits. Whoever drives the generation runs it, alone
+    (`Generation`) or as one lane of a pass shared with other replies (the server's scheduler),
+    sets `logits` (one row per token) and resumes the generation. A driver may first cut `tokens`
+    to a shorter prefix (never below the pending token) to keep a shared pass within the
+    row-exact width; the reply then verifies only the drafts that ran. `rows` and `seconds`
+    describe the whole pass (every lane's rows), for the depth controller's cost model.
+    """
+
+    tokens: list[int]
+    cache: CacheState
+    logits: Any = None
+    rows: int = 0
+    seconds: float = 0.0
+
+    def run_alone(self, backend: Backend) -> None:
+        began = time.perf_counter()
+        self.logits = backend.forward(self.tokens, self.cache)
+        self.rows, self.seconds = len(self.tokens), time.perf_counter() - began
+
+
+class Generation:
+    """Iterate for `Delta`s; `completion` is set once the reply is finished.
+
+    Iterating runs each verify pass alone on `backend`. `steps` is the raw generator, for a
+    driver that runs the `PassRequest`s it yields itself (several replies' passes in one).
+    """
+
+    def __init__(self, steps: Iterator[Delta | PassRequest], backend: Backend) -> None:
+        self.steps = steps
+        self.backend = backend
         self.completion: Completion | None = None
 
     def __iter__(self) -> Iterator[Delta]:
-        self.completion = yield from self._steps
+        try:
+            while True:
+                try:
+                    item = next(self.steps)
+                except StopIteration as stop:
+                    self.completion = stop.value
+                    return
+                if isinstance(item, PassRequest):
+                    item.run_alone(self.backend)
+                else:
+                    yield item
+        finally:  # closed early (a cancelled reply): close the reply's own generator too
+            if self.completion is None:
+                self.steps.close()
+
+    def close(self) -> None:
+        self.steps.close()
 
     def run(self) -> Completion:
         for _ in self:
@@ -242,7 +287,7 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], config: GenerationConfig, cache: CacheState | None = None,
                  cuts: Sequence[int] = (), on_prefill: PrefillObserver | None = None) -> Completion:
-        return Generation(self._decode(prompt, config, cache, cuts, on_prefill)).run()
+        return self.stream(prompt, config, cache, cuts, on_prefill).run()
 
     def stream(self, prompt: Sequence[int], config: GenerationConfig, cache: CacheState | None = None,
                cuts: Sequence[int] = (), on_prefill: PrefillObserver | None = None) -> Generation:
@@ -253,11 +298,12 @@ class Engine:
         share of a chunk. `on_prefill(cache)` is called after every chunk (the session layer
         snapshots the cache where the reply starts).
         """
-        return Generation(self._decode(prompt, config, cache, cuts, on_prefill))
+        return Generation(self._decode(prompt, config, cache, cuts, on_prefill), self.backend)
 
     def _decode(self, prompt: Sequence[int], config: GenerationConfig, cache: CacheState | None,
-                cuts: Sequence[int], on_prefill: PrefillObserver | None = None) -> Iterator[Delta]:
-        """Prefill the rest of the prompt chunk by chunk, then pass after pass until the reply ends."""
+                cuts: Sequence[int], on_prefill: PrefillObserver | None = None) -> Iterator[Delta | PassRequest]:
+        """Prefill the rest of the prompt chunk by chunk, then pass after pass until the reply ends:
+        each pass is a `PassRequest` for the driver to run, then the `Delta` it committed."""
         if not prompt:
             raise ValueError("the prompt is empty")
         started = time.perf_counter()
@@ -278,7 +324,11 @@ class Engine:
                        constraint=GrammarConstraint(self.tokenizer, config.grammar) if config.grammar else None)
         while reply.finish is None:
             drafts, draft_seconds = self._propose(reply, config)
-            new_tokens = self._pass(reply, drafts, draft_seconds, cache, config, stats, started)
+            checkpoint = self.backend.checkpoint(cache) if drafts else None
+            request = PassRequest([reply.history[-1], *drafts], cache)
+            began = time.perf_counter()
+            yield request
+            new_tokens = self._commit_pass(reply, request, checkpoint, draft_seconds, began, config, stats, started)
             logprobs = reply.logprobs[len(reply.logprobs) - len(new_tokens):] if config.logprobs is not None else None
             yield Delta(new_tokens, reply.stream_text(config.stop), logprobs)
 
@@ -319,14 +369,14 @@ class Engine:
         drafts = reply.drafter.propose(reply.history, depth, config.params)[:depth]
         return drafts, time.perf_counter() - began
 
-    def _pass(self, reply: _Reply, drafts: list[int], draft_seconds: float, cache: CacheState, config: GenerationConfig,
-              stats: DecodeStats, started: float) -> list[int]:
-        """One verify pass: forward the pending token and the drafts, commit what serial decoding
-        would have, roll the cache back to it, and return the committed tokens."""
-        base = cache.length  # absolute position of row 0's token
-        checkpoint = self.backend.checkpoint(cache) if drafts else None
-        began = time.perf_counter()
-        logits = self.backend.forward([reply.history[-1], *drafts], cache)
+    def _commit_pass(self, reply: _Reply, request: PassRequest, checkpoint: Checkpoint | None, draft_seconds: float,
+                     began: float, config: GenerationConfig, stats: DecodeStats, started: float) -> list[int]:
+        """After a verify pass ran: commit what serial decoding would have, roll the cache back to
+        it, and return the committed tokens. `began`: when the reply asked for the pass."""
+        drafts = request.tokens[1:]  # what the driver ran (it may have cut the drafts)
+        base = request.cache.length - len(request.tokens)  # absolute position of row 0's token
+        cache, logits = request.cache, request.logits
+        request.logits = None
         committed = self._verify(logits, drafts, base, config.params, reply.constraint, stats)
         # the rows that chose the committed tokens, copied before a rollback's replay can reuse the buffer
         chosen_rows = logits[: len(committed)].copy() if config.logprobs is not None else None
@@ -338,7 +388,7 @@ class Engine:
         stats.pass_seconds.append(seconds)
         stats.drafted += len(drafts)
         stats.accepted += accepted
-        self.controller.observe_pass(len(drafts) + 1, seconds)
+        self.controller.observe_pass(request.rows or len(request.tokens), request.seconds or seconds)
         if reply.drafter is not None:
             self.controller.observe_drafts(len(drafts), accepted, draft_seconds)
         now = time.perf_counter() - started

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agentfold.engine import backend_choice
 from agentfold.engine.decode import Engine
@@ -11,6 +12,9 @@ from agentfold.engine.drafters import DraftModelDrafter, SuffixLookupDrafter
 from agentfold.engine.mlx.backend import MLXBackend
 from agentfold.engine.mlx.loader import LoadedModel, load_model
 from agentfold.engine.selfcheck import check_row_exactness
+
+if TYPE_CHECKING:  # imports torch
+    from agentfold.engine.torch.stages import StageOptions
 
 DRAFTERS = ("suffix", "draft-model", "none")
 
@@ -51,6 +55,7 @@ def build_engine(
     device: str = "auto",
     quant: str = "auto",
     verdicts: Path | None = None,
+    stages: StageOptions | None = None,
 ) -> Engine:
     """An engine whose drafted replies are byte-identical to its serial ones.
 
@@ -60,16 +65,26 @@ def build_engine(
     int8 run linear layers on int8 weights with exact integer sums (row-exact by construction; the
     default wherever it runs), none keeps float weights (row-exact only as far as the BLAS happens
     to be). `dtype` None: float32, except bfloat16 for torch on CUDA. The self-check caps verify
-    passes at the widest row-exact width (drafting off if none).
+    passes at the widest row-exact width (drafting off if none). `stages`: a
+    `torch.stages.StageOptions` to split the model by layers over processes (torch only).
     """
     say = progress or (lambda message: None)
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(QUANTS)}, not {quant!r}")
+    if stages is not None:  # pipeline stages (engine.torch.stages): torch only
+        if backend not in ("auto", "torch"):
+            raise ValueError("--stages runs on the torch backend only (MLX's mlx.core.distributed is not wired here)")
+        backend = "torch"
     if backend == "auto":
         return _build_auto(model, dtype, drafter, draft_model, max_width, self_check, say, device, quant, verdicts)
     load, backend_class = _loader(backend, dtype, device, say)
     loaded = load(model)
-    target = backend_class(loaded, quant=quant)
+    if stages is not None:
+        from agentfold.engine.torch.stages import StagedBackend
+
+        target = StagedBackend(loaded, quant=quant, options=stages, progress=say)
+    else:
+        target = backend_class(loaded, quant=quant)
     if draft_model is not None and drafter == "suffix":
         drafter = "draft-model"
     chosen = None

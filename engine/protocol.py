@@ -59,6 +59,12 @@ class Backend(Protocol):
     def forward(self, tokens: Sequence[int], cache: CacheState) -> np.ndarray:
         """Logits (float32, one row per token) of `tokens` appended to `cache`."""
 
+    # Optional (see `forward_lanes`): def forward_many(self, lanes: Sequence[Lane]) -> list[np.ndarray]
+    # runs several sequences' passes as one pass (lanes): the rows of all of them share the linear
+    # layers, each lane attends only to its own cache, and row r of lane i has the bits it has when
+    # lane i runs alone by `forward`. Such a backend says `shares_passes = True`: the self-check then
+    # verifies lanes too (`ExactnessReport.lanes`) and the scheduler puts replies in one pass.
+
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`, computing no logits."""
 
@@ -81,6 +87,29 @@ class Backend(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """Kernels, quantization and device: what changes a cache's bytes (snapshot key) and the report."""
+
+
+Lane = tuple[Sequence[int], CacheState]  # one sequence's rows of a shared pass: its tokens and its cache
+
+
+def forward_lanes(backend: Backend, lanes: Sequence[Lane]) -> list[np.ndarray]:
+    """Each lane's logits, the lanes run as one pass where the backend can (`forward_many`), else one
+    `forward` per lane: the same bits either way (each row's arithmetic ignores the other rows)."""
+    many = getattr(backend, "forward_many", None)
+    if many is not None and len(lanes) > 1:
+        return many(lanes)
+    return [backend.forward(tokens, cache) for tokens, cache in lanes]
+
+
+def split_lanes(logits: np.ndarray, lanes: Sequence[Lane]) -> list[np.ndarray]:
+    """A shared pass's logits [rows, vocab] cut into each lane's rows, each lane's tokens now in
+    its cache (what `forward` does for one)."""
+    out, begin = [], 0
+    for tokens, cache in lanes:
+        cache.tokens.extend(int(t) for t in tokens)
+        out.append(logits[begin : begin + len(tokens)])
+        begin += len(tokens)
+    return out
 
 
 def prefill_in_chunks(backend: Backend, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agentfold.engine.protocol import Backend
+from agentfold.engine.protocol import Backend, CacheState, Checkpoint
 
 
 @dataclass
@@ -26,6 +26,7 @@ class ExactnessReport:
     max_abs_diff: dict[int, float] = field(default_factory=dict)
     pass_seconds: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
+    lanes: bool = False  # rows of different sequences in one pass (`forward_many`) were exact too
 
     @property
     def drafting(self) -> bool:
@@ -40,7 +41,7 @@ class ExactnessReport:
         text = f"row-exact up to {self.max_width} rows"
         if failed:
             text += f" ({failed[0]} rows differ by {self.max_abs_diff[failed[0]]:.1e}: passes capped)"
-        return text
+        return text + (", across replies too (lanes on)" if self.lanes else "")
 
 
 def probe_tokens(vocab_size: int, count: int) -> list[int]:
@@ -83,5 +84,24 @@ def check_row_exactness(backend: Backend, max_width: int = 16, prompt_length: in
         if not same:
             break
         report.max_width = width
+    if report.drafting and getattr(backend, "shares_passes", False):  # lanes that run one by one gain nothing
+        report.lanes = _lanes_exact(backend, cache, base, serial, rows, tokens, report.max_width)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _lanes_exact(backend: Backend, cache: CacheState, base: Checkpoint, serial: list[np.ndarray],
+                 rows: list[int], tokens: list[int], width: int) -> bool:
+    """Whether a pass of `width` rows split between two sequences (a third of them on the probe's
+    cache, the rest on a shorter one) gives every row the bits of its one-row step."""
+    other = backend.new_cache()
+    backend.prefill(tokens[3 : len(tokens) - width - 12], other)  # another length, other tokens
+    mark = backend.checkpoint(other)
+    first = max(1, width // 3)
+    other_rows = rows[::-1][: width - first]
+    alone = [backend.forward([token], other)[0].copy() for token in other_rows]
+    backend.rollback(other, mark, 0)
+    lanes = backend.forward_many([(rows[:first], cache), (other_rows, other)])
+    backend.rollback(cache, base, 0)
+    return (all(np.array_equal(lanes[0][j], serial[j]) for j in range(first))
+            and all(np.array_equal(lanes[1][j], alone[j]) for j in range(len(other_rows))))

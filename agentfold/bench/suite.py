@@ -17,6 +17,8 @@ prompt. This module runs it all in one go:
    after each workload's session while the server idles: stock mlx-lm, transformers on torch CPU,
    AgentFold's torch backend when present; the roofline is the weights' bytes over the measured
    copy bandwidth.
+5. In this process, 1, 2, 4 and 8 concurrent agent clients on one runtime (`bench.lanes`; 1 and 2
+   with --quick): aggregate throughput, per-client latency, every reply equal to its solo run.
 
 Speed is reported, never asserted; the equality flags are the part that must hold.
 """
@@ -364,6 +366,16 @@ def _agent_section(path: Path, quick: bool, seed: int, dtype: str, say: Callable
         return {"error": str(error)}
 
 
+def _lanes_section(path: Path, quick: bool, seed: int, dtype: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """Concurrent agent clients on one in-process runtime, against their solo replies (`bench.lanes`)."""
+    from agentfold.bench.lanes import bench_lanes
+
+    try:
+        return bench_lanes(str(path), None, quick=quick, seed=seed, dtype=dtype, progress=say)
+    except BenchError as error:
+        return {"error": str(error)}
+
+
 def _summary(result: dict[str, Any], suite: Suite) -> dict[str, Any]:
     exact = result["sections"]["exactness"]
     resumed = [r for r in result["sections"]["resume"] if r["identical"] is not None]
@@ -372,6 +384,7 @@ def _summary(result: dict[str, Any], suite: Suite) -> dict[str, Any]:
         "resumed_identical_to_cold": all(r["identical"] for r in resumed) if resumed else None,
         "resumed_vs_cold_ratios": [r["ratio"] for r in resumed],
         "requests": len(suite.requests), "skipped": len(suite.skipped),
+        "lanes_all_equal": (result.get("lanes") or {}).get("summary", {}).get("all_equal"),
     }
 
 
@@ -406,6 +419,7 @@ def bench_all(model: str | None = None, out: str | Path = "bench-results/suite.j
         "method": METHOD,
     })
     result["agent"] = _agent_section(main_path, quick, seed, dtype, say)
+    result["lanes"] = _lanes_section(main_path, quick, seed, dtype, say)
     result["sections"] = sections(result)
     result["records"] = records(result)
     result["summary"] = _summary(result, suite)
@@ -431,6 +445,8 @@ METHOD = {
     "memory": "VmHWM of the server process (/proc/PID/status) after all its requests",
     "decode_rate": "server decode_tps: tokens after the first verify pass over the time after it; baselines: the "
                    "same over their token clocks (bench.steady_tps)",
+    "lanes": "in this process: the engine `agentfold serve` builds, 1, 2, 4, 8 concurrent agent clients (quick: 1, "
+             "2) submitted at once to one Runtime, each reply compared with its solo run (details in lanes.method)",
     "short_sessions": "contexts above the smallest (and --quick) use short replies and fewer turns: they measure "
                       "time to first token and resuming, the smallest context measures decoding",
 }

@@ -18,11 +18,11 @@ def _commands() -> dict[str, ModuleType]:
     """The modules that add their subcommands and run them. Imported here, not at the top, so that
     `python -m agentfold.cli.sessions` (whose package this is) does not import itself twice."""
     from agentfold.bench import load as loadtest
-    from agentfold.cli import bench, generate, models, offload, ops, serve, sessions
+    from agentfold.cli import bench, generate, models, offload, ops, serve, sessions, stage
     from agentfold.integrations import writer as integrate
 
     return {"generate": generate, "bench": bench, "offload": offload, "integrate": integrate, "loadtest": loadtest,
-            "serve": serve, "ops": ops, "sessions": sessions, "models": models}
+            "serve": serve, "ops": ops, "sessions": sessions, "models": models, "stage": stage}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def _build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out_dir")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "keep"])
 
-    for name in ("models", "bench", "offload", "integrate", "loadtest", "serve", "sessions"):
+    for name in ("models", "bench", "offload", "integrate", "loadtest", "serve", "sessions", "stage"):
         commands[name].add_parser(sub)
     commands["ops"].add_parsers(sub)
     sub.add_parser("version", help="print the version")

@@ -44,6 +44,16 @@ def add_parser(sub: Any) -> None:
     agent.add_argument("--prefill-contexts", help="prompt sizes in tokens for the prefill rates, comma-separated "
                        "(default 1024,4096,16384; --quick: 256)")
     agent.add_argument("--out", required=True, help="JSON file to write")
+    lanes = bench_sub.add_parser("lanes", help="1, 2, 4, 8 concurrent agent clients on one runtime: aggregate "
+                                 "tok/s, per-client TTFT and ITL, every reply equal to its solo run")
+    add_model_args(lanes)
+    lanes.add_argument("--clients", help="concurrent client levels, comma-separated, at most 8 (default 1,2,4,8; "
+                       "--quick: 1,2)")
+    lanes.add_argument("--max-tokens", type=int, default=128, help="reply tokens per client (--quick: at most 32)")
+    lanes.add_argument("--seconds", type=float, help="each level's window (default 30; --quick: 6)")
+    lanes.add_argument("--quick", action="store_true", help="levels 1 and 2, short code edits, 32-token replies")
+    lanes.add_argument("--seed", type=int, default=0, help="picks the stdlib files; the sampled client's seed")
+    lanes.add_argument("--out", required=True, help="JSON file to write")
     suite = bench_sub.add_parser("all", help="agent workloads through the HTTP server against baselines, with a report")
     add_model_file_args(suite)
     suite.add_argument("--quick", action="store_true", help="1K context only, short replies (a few minutes)")
@@ -80,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(str(error)) from error
         progress(f"wrote {args.out}: {json.dumps(result.get('summary', {}))}")
         return 0
+    if args.bench == "lanes":
+        return _run_lanes(args)
     if args.bench == "agent":
         from agentfold.bench.agent import bench_agent
         from agentfold.bench.server import BenchError as ServerBenchError
@@ -112,6 +124,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_lanes(args: argparse.Namespace) -> int:
+    from agentfold.bench.harness import BenchError
+    from agentfold.bench.lanes import bench_lanes
+
+    try:
+        levels = [int(c) for c in args.clients.split(",") if c.strip()] if args.clients else None
+    except ValueError:
+        raise ValueError(f"--clients takes comma-separated integers, not {args.clients!r}") from None
+    try:
+        result = bench_lanes(args.model, args.out, quick=args.quick, levels=levels, max_tokens=args.max_tokens,
+                             seed=args.seed, dtype=args.dtype, backend=args.backend, quant=args.quant,
+                             device=args.device, progress=progress, duration=args.seconds)
+    except BenchError as error:
+        raise ValueError(str(error)) from error
+    progress(f"wrote {args.out}: {json.dumps(result['summary'])}")
+    return 0 if result["summary"]["all_equal"] else 1
+
+
 def _run_suite(args: argparse.Namespace) -> int:
     if args.bench == "report":
         from agentfold.bench.report import report_from_file
@@ -129,4 +159,5 @@ def _run_suite(args: argparse.Namespace) -> int:
     except BenchError as error:
         raise ValueError(str(error)) from error
     progress(f"wrote {args.out}: {json.dumps(result['summary'])}")
-    return 0 if result["summary"]["all_equal"] else 1
+    summary = result["summary"]
+    return 0 if summary["all_equal"] and summary.get("lanes_all_equal") is not False else 1

@@ -25,6 +25,7 @@ from agentfold.cli.args import (
     progress,
 )
 from agentfold.cli.env import apply_env_defaults, check_env
+from agentfold.cli.stage import add_stage_args, check_stage_args, stage_options
 from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
@@ -66,6 +67,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--audit-rate", type=float, default=0.0,
                         help="share of drafted turns replayed serially after the reply to check exactness (0..1)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_stage_args(parser)
     apply_env_defaults(parser)
     return parser
 
@@ -88,6 +90,7 @@ def bind(host: str, port: int) -> socket.socket:
 def check_limits(args: argparse.Namespace) -> None:
     """Refuse unsafe or impossible settings before the model loads (one readable line, exit 2)."""
     check_env(args)
+    check_stage_args(args)
     if not is_loopback(args.host) and not args.api_key:
         raise ValueError(f"refusing to listen on {args.host} without an API key: anyone on the network could "
                          "use the model and read its sessions; pass --api-key (or set AGENTFOLD_API_KEY), "
@@ -148,7 +151,7 @@ class ModelLoader(threading.Thread):
         drafter = drafter_choice(args)
         engine = build_engine(self.path, dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
                               progress=self.say, backend=args.backend, device=args.device, quant=args.quant,
-                              verdicts=verdict_file())
+                              verdicts=verdict_file(), stages=stage_options(args, self.path, args.home))
         self.say("starting the runtime")
         name = engine.backend.loaded.name
         aliases = [n for n in dict.fromkeys([*args.alias, *self.names, *short_names(name)]) if n != name]

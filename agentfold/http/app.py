@@ -58,6 +58,12 @@ class Server:
                            type="authentication_error", code="invalid_api_key")
 
 
+def _stages(runtime: Runtime) -> dict[str, Any]:
+    """Pipeline stages' time and bytes (`engine.torch.stages`), when the model is split over processes."""
+    stats = getattr(runtime.engine.backend, "stage_stats", None)
+    return {"stages": stats()} if callable(stats) else {}
+
+
 def rss_bytes() -> int:
     """This process's resident memory (Linux: /proc; elsewhere the peak), for /health and load tests."""
     try:
@@ -155,7 +161,9 @@ def _info_routes(server: Server) -> list[BaseRoute]:
                              "waiting": runtime.waiting, "max_active": runtime.max_active,
                              "max_queue": runtime.max_queue, "rss_bytes": rss_bytes(),
                              "context_length": runtime.context_length, "turns": dict(runtime.counters),
-                             "exactness": runtime.engine.exactness.describe()})
+                             "exactness": runtime.engine.exactness.describe(),
+                             "lanes": {"width": runtime.lane_width, **runtime.lanes.summary()},
+                             **_stages(runtime)})
 
     async def root(request: Request) -> Response:
         if request.method == "HEAD":

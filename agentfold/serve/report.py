@@ -62,6 +62,10 @@ def turn_blocks(turn: Turn, runtime: Runtime) -> tuple[dict[str, Any], dict[str,
         "audit": turn.audit,
         "mismatch_position": turn.mismatch_position,
     }
+    if turn.lane_passes:  # its verify passes as run: how many replies and rows each held (lanes)
+        replies, rows = (sum(values) / len(turn.lane_passes) for values in zip(*turn.lane_passes, strict=True))
+        block["lanes"] = {"shared_passes": sum(1 for count, _ in turn.lane_passes if count > 1),
+                          "replies_per_pass": round(replies, 3), "rows_per_pass": round(rows, 3)}
     if turn.request.max_tokens_clamped:  # more than the context leaves was asked (llama-server clamps too)
         block["max_tokens_clamped"] = turn.request.max_tokens_clamped
     return timings(record), block

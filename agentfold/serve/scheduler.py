@@ -1,12 +1,17 @@
-"""One engine, many clients: a worker thread that interleaves generations one verify pass at a time.
+"""One engine, many clients: a worker thread that runs every active reply's verify pass in one pass.
 
 The engine is single-threaded (MLX arrays, one model, caches mutated in place), so exactly one
 thread ever touches it: the runtime's worker. HTTP handlers (and MCP tools) build a `TurnRequest`,
 `submit` it and consume the `Turn`'s events from asyncio. Requests are admitted FIFO, at most
-`max_active` at a time; the active ones are stepped round-robin, one verify pass each, so a long
-reply never starves a short one and every client sees tokens while others decode. Each generation
-has its own cache, so interleaving their passes cannot change a single byte of any reply (the
-exact sampler depends only on the row's logits, the seed and the absolute position).
+`max_active` at a time. Each round, every active reply advances to its next step: a reply still
+prefilling runs one layer of one chunk, a decoding reply proposes its drafts and asks for a
+verify pass (`PassRequest`). The passes asked for are then run together as lanes of one forward
+pass (`serve.lanes`: the rows of every reply share the linear layers, each attends to its own
+cache, the whole pass within the self-check's row-exact width), and each reply commits its
+tokens. A long reply never starves a short one, and every client sees tokens while others
+decode. Each generation has its own cache and every row's arithmetic ignores the other rows, so
+sharing passes cannot change a single byte of any reply (the exact sampler depends only on the
+row's logits, the seed and the absolute position).
 
 A client that goes away sets the turn's cancel flag; the worker closes that generation before its
 next pass, so a dropped request stops within one verify pass.
@@ -18,32 +23,31 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import itertools
 import logging
 import os
-import queue
 import threading
 import time
-import uuid
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import replace
 
-from agentfold.engine.decode import Completion, Delta, Engine, Generation, GenerationConfig, first_mismatch
+from agentfold.engine.decode import Engine, Generation, PassRequest, first_mismatch
+from agentfold.engine.protocol import forward_lanes
+from agentfold.serve.lanes import LaneStats, plan_lanes
 from agentfold.serve.limits import DEFAULT_MAX_QUEUE
 from agentfold.serve.models import config_context_length
+from agentfold.serve.turn import _CLOSED, Event, Hook, Turn, TurnCancelled, TurnRequest
 from agentfold.serve.turn_log import watch_prefill
 
 log = logging.getLogger(__name__)
 
-Event = Delta | Completion
-Hook = Callable[["Turn"], None]
+# How long a prefilling reply may run layer steps per round: about a third of a shared decode
+# pass here (SmolLM2-135M, 2 Xeon cores), so a decoding reply's inter-token gap grows by at most
+# that much per prefilling reply, while a 30-token message is prefilled in a round or two.
+PREFILL_SLICE_S = 0.02
 
-
-class TurnCancelled(Exception):
-    """The turn was cancelled (its client went away) before it finished."""
+__all__ = ["Event", "Hook", "Runtime", "RuntimeBusy", "RuntimeClosed", "Turn", "TurnCancelled", "TurnRequest"]
 
 
 class RuntimeClosed(RuntimeError):
@@ -52,152 +56,6 @@ class RuntimeClosed(RuntimeError):
 
 class RuntimeBusy(RuntimeError):
     """The wait queue is full (`max_queue`): the client should retry later (HTTP 429)."""
-
-
-
-@dataclass
-class TurnRequest:
-    """Everything the worker needs to run one reply, independent of the API it came from.
-
-    `cache` and `cuts` are for a session layer (`Runtime.before_turn`) to fill: a restored cache
-    holding a prefix of `prompt`, and extra prefill boundaries. Grammar-constrained decoding
-    rides in `config.grammar`.
-    """
-
-    prompt: list[int]
-    config: GenerationConfig
-    api: str = "chat"  # chat | completions | responses | messages | mcp
-    client: str = ""  # User-Agent, for telemetry
-    session_id: str | None = None
-    audit: bool = False
-    model: str = ""  # the name the client asked for
-    cache: Any = None  # agentfold.engine.mlx.backend.CacheState restored by a session hook, or None
-    cuts: tuple[int, ...] = ()
-    on_prefill: Callable[[Any], None] | None = None  # called after each prefill chunk (session snapshots)
-    outcome_follows: bool = False  # an API layer calls `after_response` with the parsed outcome
-    internal: bool = False  # the server's own turn (an audit replay): no session, no telemetry row
-    max_tokens_clamped: dict[str, int] | None = None  # requested / granted when the context cut max_tokens
-
-
-class _Closed:
-    """Terminal marker on a turn's channel."""
-
-
-_CLOSED = _Closed()
-
-
-class Turn:
-    """One submitted request: its events, its cancel flag and its clocks.
-
-    Consume with `async for event in turn.events()` (Delta per verify pass, then the Completion),
-    or `turn.result()` from a thread without an event loop. The session layer keeps its restore
-    in `session`, the service its telemetry row in `record`; the API layer sets `finish_reason`
-    and `tool_calls` once the reply is parsed.
-    """
-
-    _ids = itertools.count(1)
-
-    def __init__(self, request: TurnRequest, loop: asyncio.AbstractEventLoop | None) -> None:
-        self.request = request
-        self.id = f"turn-{uuid.uuid4().hex[:16]}"
-        self.seq = next(Turn._ids)
-        self.submitted_at = time.perf_counter()
-        self.submitted_wall = time.time()
-        self.admitted_at: float | None = None
-        self.first_delta_at: float | None = None
-        self.finished_at: float | None = None
-        self.generation: Generation | None = None
-        self.completion: Completion | None = None
-        self.error: BaseException | None = None
-        self.status = "queued"  # queued | running | auditing | done | cancelled | failed
-        self.audit = "skipped"  # skipped | passed | failed
-        self.mismatch_position: int | None = None
-        self.session: Any = None  # what the session layer restored (sessions.manager.PreparedTurn)
-        self.record: Any = None  # the telemetry row (agentfold.serve.telemetry.TurnRecord) once built
-        self.finish_reason: str | None = None  # the API-level outcome: stop | length | tool_calls
-        self.tool_calls = 0
-        self.passes = 0  # verify passes the worker ran for this turn
-        self.prefill_passes = 0  # prefill chunks, each scheduled like a verify pass
-        self.passes_at_cancel: int | None = None  # `passes` when cancel() was first called
-        self._cancel = threading.Event()
-        self._iter: Iterator[Delta] | None = None
-        self._audit_generation: Generation | None = None
-        self._audit_iter: Iterator[Delta] | None = None
-        self._loop = loop
-        self._aqueue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
-        self._squeue: queue.Queue | None = queue.Queue() if loop is None else None
-
-    # -- clocks -------------------------------------------------------------------------------
-    @property
-    def queue_seconds(self) -> float:
-        """Time spent waiting for a free slot (0 until admitted)."""
-        return (self.admitted_at - self.submitted_at) if self.admitted_at is not None else 0.0
-
-    @property
-    def ttft_seconds(self) -> float | None:
-        """Submission to the first committed tokens, queueing included."""
-        return None if self.first_delta_at is None else self.first_delta_at - self.submitted_at
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def cancel(self) -> None:
-        """Ask the worker to drop this turn before its next verify pass (idempotent, any thread)."""
-        if not self._cancel.is_set():
-            self.passes_at_cancel = self.passes
-        self._cancel.set()
-
-    # -- delivery (worker side) -----------------------------------------------------------------
-    def _put(self, item: Any) -> None:
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                self._cancel.set()
-        else:
-            self._squeue.put(item)
-
-    # -- consumption ----------------------------------------------------------------------------
-    async def events(self) -> AsyncIterator[Event]:
-        """Deltas as they are committed, then the Completion.
-
-        Raises `TurnCancelled` if the turn was dropped and the worker's exception if it failed.
-        If the consumer stops early (its client disconnected), the turn is cancelled.
-        """
-        if self._aqueue is None:
-            raise RuntimeError("this turn was submitted without an event loop; use result()")
-        finished = False
-        try:
-            while True:
-                item = await self._aqueue.get()
-                if item is _CLOSED:
-                    finished = True
-                    self._raise_if_failed()
-                    return
-                yield item
-        finally:
-            if not finished:
-                self.cancel()
-
-    def result(self, timeout: float | None = None) -> Completion:
-        """Block until the turn ends (for callers without an event loop); returns the Completion."""
-        if self._squeue is None:
-            raise RuntimeError("this turn belongs to an event loop; use events()")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._squeue.get(timeout=left)
-            if item is _CLOSED:
-                self._raise_if_failed()
-                assert self.completion is not None
-                return self.completion
-
-    def _raise_if_failed(self) -> None:
-        if self.status == "cancelled":
-            raise TurnCancelled(self.id)
-        if self.error is not None:
-            raise self.error
 
 
 class Runtime:
@@ -220,7 +78,7 @@ class Runtime:
     """
 
     def __init__(self, engine: Engine, model_id: str, aliases: Sequence[str] = (), max_active: int = 4,
-                 context_length: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+                 context_length: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE, lanes: bool = True) -> None:
         if max_active < 1:
             raise ValueError(f"max_active must be >= 1, not {max_active}")
         if max_queue < 0:
@@ -236,6 +94,8 @@ class Runtime:
         self.after_turn: Hook | None = None
         self.after_response: Hook | None = None
         self.counters = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0}
+        self.lanes = LaneStats()
+        self.share_passes = lanes  # False: every reply's pass runs alone (for comparison)
         self.started_at = time.time()
         self._waiting: deque[Turn] = deque()
         self._active: list[Turn] = []
@@ -329,16 +189,44 @@ class Runtime:
                     turn.admitted_at = time.perf_counter()
                     self._active.append(turn)
                 batch = list(self._active)
-            for turn in batch:  # round-robin: one verify pass each
-                if not self._step(turn):
-                    with self._cond:
+            ended = [turn for turn in batch if not self._prefill_or_ask(turn)]
+            asking = [turn for turn in batch if turn._pending is not None]
+            for group in plan_lanes([turn._pending for turn in asking], self.lane_width):
+                group = [asking[i] for i in group]
+                self._run_lanes(group)
+                ended += [turn for turn in group if not self._finish_pass(turn)]
+            if ended:
+                with self._cond:
+                    for turn in ended:
                         self._active.remove(turn)
         for turn in pending:
             self._close_iterators(turn)
             self._end(turn, "failed", RuntimeClosed("the runtime is shutting down"))
 
-    def _step(self, turn: Turn) -> bool:
-        """Run one verify pass of `turn`; False once the turn has ended."""
+    @property
+    def lane_width(self) -> int:
+        """Rows one shared pass may hold: the width the self-check found row-exact, when it also
+        found rows of different sequences exact in one pass; 0 (every pass alone) otherwise."""
+        exactness = self.engine.exactness
+        return exactness.max_width if exactness.lanes and self.share_passes else 0
+
+    def _prefill_or_ask(self, turn: Turn) -> bool:
+        """Advance `turn` to its next verify pass, or run its prefill's layer steps for up to
+        `PREFILL_SLICE_S` (at least one); False once the turn has ended. A long chunk's layer step
+        takes the whole slice (other replies' passes run between its layers); a short chunk (a
+        resumed turn's new message) is done in a round or two, not one round per layer."""
+        began = time.perf_counter()
+        while True:
+            steps = turn.prefill_passes
+            if not self._advance(turn):
+                return False
+            if (turn.prefill_passes == steps or time.perf_counter() - began >= PREFILL_SLICE_S
+                    or self._closing):  # a closing runtime ends turns between layer steps
+                return True
+
+    def _advance(self, turn: Turn) -> bool:
+        """Run one prefill step of `turn`, or move it to its next verify pass (`turn._pending`);
+        False once the turn has ended."""
         if turn.cancelled:
             self._close_iterators(turn)
             self._end(turn, "cancelled")
@@ -351,25 +239,59 @@ class Runtime:
                 if self.before_turn is not None:
                     self.before_turn(turn)
                 turn.generation = self._start(turn.request)
-                turn._iter = iter(turn.generation)
+                turn._iter = turn.generation.steps
             try:
-                delta = next(turn._iter)
-            except StopIteration:
-                turn.completion = turn.generation.completion
+                item = next(turn._iter)
+            except StopIteration as stop:
+                turn.completion = turn.generation.completion = stop.value
                 return self._after_reply(turn)
-            if not delta.tokens:  # a prefill chunk: other replies get their pass before the next one
+            if isinstance(item, PassRequest):
+                turn._pending = item
+            else:  # a prefill step: other replies get their pass before the next one
                 turn.prefill_passes += 1
-                return True
-            turn.passes += 1
-            if turn.first_delta_at is None:
-                turn.first_delta_at = time.perf_counter()
-            turn._put(delta)
             return True
         except Exception as error:  # a failed turn must never take the worker down
-            log.exception("turn %s failed", turn.id)
-            self._close_iterators(turn)
-            self._end(turn, "failed", error)
-            return False
+            return self._fail(turn, error)
+
+    def _run_lanes(self, turns: list[Turn]) -> None:
+        """The pending passes of `turns` as one forward pass, each reply a lane on its own cache."""
+        requests = [turn._pending for turn in turns]
+        began = time.perf_counter()
+        try:
+            logits = forward_lanes(self.engine.backend, [(request.tokens, request.cache) for request in requests])
+        except Exception as error:
+            for turn in turns:
+                turn._pending = None
+                self._fail(turn, error)
+            return
+        seconds = time.perf_counter() - began
+        rows = sum(len(request.tokens) for request in requests)
+        self.lanes.record(len(turns), rows, seconds)
+        for turn, request, lane_logits in zip(turns, requests, logits, strict=True):
+            request.logits, request.rows, request.seconds = lane_logits, rows, seconds
+            turn.lane_passes.append((len(turns), rows))
+
+    def _finish_pass(self, turn: Turn) -> bool:
+        """Resume `turn` with its pass's logits and send the tokens it committed; False once ended."""
+        if turn._pending is None or turn._pending.logits is None:  # its shared pass failed
+            turn._pending = None
+            return turn.status not in ("failed", "cancelled")
+        turn._pending = None
+        try:
+            delta = next(turn._iter)
+        except Exception as error:
+            return self._fail(turn, error)
+        turn.passes += 1
+        if turn.first_delta_at is None:
+            turn.first_delta_at = time.perf_counter()
+        turn._put(delta)
+        return True
+
+    def _fail(self, turn: Turn, error: BaseException) -> bool:
+        log.error("turn %s failed", turn.id, exc_info=error)
+        self._close_iterators(turn)
+        self._end(turn, "failed", error)
+        return False
 
     def _after_reply(self, turn: Turn) -> bool:
         completion = turn.completion

@@ -19,8 +19,9 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from agentfold.engine.cache_layout import CacheLayoutError, array_name, bits_dtype, mark_bits, tokens_array, tokens_of
+from agentfold.engine.mlx import lanes as lanes_mod
 from agentfold.engine.mlx.loader import LoadedModel
-from agentfold.engine.protocol import CacheState, Checkpoint, prefill_in_chunks
+from agentfold.engine.protocol import CacheState, Checkpoint, Lane, prefill_in_chunks
 from agentfold.kernels import attention, mlx_int8
 
 __all__ = ["CacheState", "Checkpoint", "MLXBackend", "resolve_quant"]
@@ -47,6 +48,11 @@ class MLXBackend:
     def has_recurrent_state(self) -> bool:
         return bool(self.recurrent_layers)
 
+    @property
+    def shares_passes(self) -> bool:
+        """Whether `forward_many` runs lanes as one pass (else one `forward` per lane)."""
+        return lanes_mod.supports(self.model) and not self.recurrent_layers
+
     def new_cache(self) -> CacheState:
         """Fresh caches; sliding-window layers get a full KV cache so every layer can be trimmed."""
         if hasattr(self.model, "make_cache"):
@@ -66,6 +72,20 @@ class MLXBackend:
         logits = self._run(tokens, cache).astype(mx.float32)
         mx.eval(logits)
         return np.array(logits, copy=False)
+
+    def forward_many(self, lanes: Sequence[Lane]) -> list[np.ndarray]:
+        """`forward` of each lane, the lanes run as one pass (`engine.mlx.lanes`): the same bits, the
+        weights read once. Other models, other caches, empty or shared lanes: one `forward` each."""
+        caches = [cache for _, cache in lanes]
+        if (len(lanes) < 2 or not lanes_mod.supports(self.model) or len({id(c) for c in caches}) < len(caches)
+                or not all(tokens and lanes_mod.plain_kv(c.layers) for tokens, c in lanes)):
+            return [self.forward(tokens, cache) for tokens, cache in lanes]
+        logits = lanes_mod.forward_lanes(self.model, [(tokens, cache.layers) for tokens, cache in lanes])
+        logits = [lane.astype(mx.float32) for lane in logits]
+        mx.eval(logits)
+        for tokens, cache in lanes:
+            cache.tokens.extend(int(t) for t in tokens)
+        return [np.array(lane, copy=False) for lane in logits]
 
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`; logits are never computed."""

@@ -18,8 +18,9 @@ import torch
 
 from agentfold.engine.cache_layout import CacheLayoutError, array_name, bits_dtype, mark_bits, tokens_array, tokens_of
 from agentfold.engine.mlx.loader import LoadedModel
-from agentfold.engine.protocol import CacheState, Checkpoint, prefill_in_chunks
+from agentfold.engine.protocol import CacheState, Checkpoint, Lane, prefill_in_chunks, split_lanes
 from agentfold.engine.torch.models import ops, quantize
+from agentfold.engine.torch.models.llama import SequencePass
 from agentfold.kernels import torch_cpu
 
 _DONE = object()  # what `next` gives once a chunk's layers have all run
@@ -29,6 +30,7 @@ class TorchBackend:
 
     name = "torch"
     has_recurrent_state = False
+    shares_passes = True  # `forward_many` runs lanes as one pass
 
     def __init__(self, loaded: LoadedModel, quant: str = "auto") -> None:
         self.loaded = loaded
@@ -67,6 +69,15 @@ class TorchBackend:
             logits = self.model(ids, cache.layers, cache.length)
         cache.tokens.extend(int(t) for t in tokens)
         return logits.float().cpu().numpy()
+
+    def forward_many(self, lanes: Sequence[Lane]) -> list[np.ndarray]:
+        """Each lane's logits, all lanes' rows in one pass (`Transformer.forward_passes`): the linear
+        layers run once over every row (weights read once), attention per lane on its own cache."""
+        with torch.inference_mode():
+            ids = torch.tensor([int(t) for tokens, _ in lanes for t in tokens], dtype=torch.long, device=self.device)
+            passes = [SequencePass(cache.layers, cache.length, len(tokens)) for tokens, cache in lanes]
+            logits = self.model.forward_passes(ids, passes).float().cpu().numpy()
+        return split_lanes(logits, lanes)
 
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`; logits are never computed."""

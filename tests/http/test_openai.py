@@ -59,6 +59,8 @@ def test_chat_non_streaming(hello):
     block = extra["agentfold"]
     assert len(block["token_sha"]) == 64 and block["completion_tokens"] == 8
     assert {"drafted", "accepted", "tokens_per_pass", "ttft_ms", "decode_tps", "draft_method", "exactness"} <= set(block)
+    lanes = block["lanes"]  # how its verify passes were run: alone here, one reply per pass
+    assert lanes["replies_per_pass"] == 1.0 and lanes["shared_passes"] == 0 and lanes["rows_per_pass"] >= 1
 
 
 def test_chat_streaming_equals_non_streaming(client, hello):
@@ -225,7 +227,9 @@ def test_models_health_and_head(api_server, client):  # noqa: F811
     assert ids == [MODEL_ID] and "smollm2" in listing.data[0].model_extra["aliases"]
     raw = httpx.get(api_server.v1 + "/models").json()
     assert raw["models"][0]["slug"] == MODEL_ID and raw["models"][0]["context_window"] == 8192
-    assert httpx.get(api_server.url + "/health").json()["status"] == "ok"
+    health = httpx.get(api_server.url + "/health").json()
+    assert health["status"] == "ok" and health["lanes"]["width"] == 16 and "stages" not in health
+    assert "lanes on" in health["exactness"]
     assert httpx.head(api_server.url + "/").status_code == 200
     assert httpx.get(api_server.v1 + "/models/claude-sonnet-4-5").json()["id"] == "claude-sonnet-4-5"
 

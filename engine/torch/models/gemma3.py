@@ -18,6 +18,7 @@ truncation and snapshots stay the llama ones: lowering a length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,7 @@ import torch
 from torch import nn
 
 from agentfold.engine.torch.models import ops
-from agentfold.engine.torch.models.cache import LayerCache
-from agentfold.engine.torch.models.llama import MLP, Attention, ModelArgs, RMSNorm, Rope, Transformer
+from agentfold.engine.torch.models.llama import MLP, Attention, Lane, ModelArgs, RMSNorm, Rope, Transformer
 
 LOCAL_THETA, GLOBAL_THETA = 10_000.0, 1_000_000.0  # transformers' Gemma3TextConfig defaults
 
@@ -93,9 +93,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(hidden, args.intermediate_size, activation=ops.gelu_tanh)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache, start: int, positions: torch.Tensor,
-                rope: Rope) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cache, start, positions, rope)
+    def forward(self, x: torch.Tensor, lanes: Sequence[Lane], rope: Rope) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), lanes, rope)
         h = x + self.post_attention_layernorm(attended)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 

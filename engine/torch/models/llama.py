@@ -15,7 +15,7 @@ RoPE table and a scaled embedding.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +75,27 @@ class ModelArgs:
             mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
         )
+
+
+@dataclass(frozen=True)
+class SequencePass:
+    """One sequence's share of a pass: `rows` tokens appended to its per-layer `caches` at `start`."""
+
+    caches: list[LayerCache]
+    start: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Lane:
+    """A `SequencePass` as one layer sees it: rows begin..begin+rows of the pass, that layer's
+    cache, and the rows' absolute positions (a device tensor)."""
+
+    begin: int
+    rows: int
+    cache: LayerCache
+    start: int
+    positions: torch.Tensor
 
 
 class Linear(nn.Module):
@@ -137,12 +158,12 @@ class Rope(nn.Module):
             sines.append(angles.sin().to(torch.float32).to(self.sin.device))
         self.cos, self.sin = torch.cat(blocks), torch.cat(sines)
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Rotate x [m, heads, head_dim] for positions start..start+m (float32 math)."""
-        end = start + x.shape[0]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int) -> torch.Tensor:
+        """Rotate x [m, heads, head_dim], row i for absolute position positions[i] (all below
+        `end`), in float32: per element the same arithmetic whichever rows share the call."""
         if end > self.cos.shape[0]:
             self._grow(end)
-        cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
@@ -166,9 +187,10 @@ class Attention(nn.Module):
         self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.qkv: Fused | None = None  # q, k, v in one GEMM (int8 weights: one quantization of x)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache, start: int, positions: torch.Tensor,
-                rope: Rope) -> torch.Tensor:
-        """x [m, hidden] at positions start..start+m (`positions`: the same, as a device tensor)."""
+    def forward(self, x: torch.Tensor, lanes: Sequence[Lane], rope: Rope) -> torch.Tensor:
+        """x [m, hidden]: the rows of every lane. The projections run over all rows at once (a
+        linear layer's row is independent of the others), RoPE, the cache write and attention per
+        lane, on that lane's positions and its own cache."""
         m, d = x.shape[0], self.head_dim
         if self.qkv is not None:
             q, k, v = self.qkv(x)
@@ -178,10 +200,17 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, d)).view(m, self.heads, d)
             k = self.k_norm(k.reshape(-1, d)).view(m, self.kv_heads, d)
-        q, k = rope(q, start), rope(k, start)
-        cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
-        keys, values = cache.read(start + m)
-        out = ops.attention(q.transpose(0, 1).contiguous(), keys, values, positions, self.scale, self.window)
+        positions = lanes[0].positions if len(lanes) == 1 else torch.cat([lane.positions for lane in lanes])
+        end = max(lane.start + lane.rows for lane in lanes)
+        q, k = rope(q, positions, end), rope(k, positions, end)  # elementwise: all lanes in one call
+        outputs = []
+        for lane in lanes:
+            rows = slice(lane.begin, lane.begin + lane.rows)
+            lane.cache.write(lane.start, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
+            keys, values = lane.cache.read(lane.start + lane.rows)
+            outputs.append(ops.attention(q[rows].transpose(0, 1).contiguous(), keys, values, lane.positions,
+                                         self.scale, self.window))
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         return self.o_proj(out.transpose(0, 1).reshape(m, self.heads * d))
 
 
@@ -228,9 +257,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cache: LayerCache, start: int, positions: torch.Tensor,
-                rope: Rope) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cache, start, positions, rope)
+    def forward(self, x: torch.Tensor, lanes: Sequence[Lane], rope: Rope) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), lanes, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -270,13 +298,33 @@ class Transformer(nn.Module):
 
     def layer_steps(self, tokens: torch.Tensor, cache: list[LayerCache], start: int,
                     final: list[torch.Tensor] | None = None) -> Iterator[None]:
-        """The decoder layers over tokens [m] one at a time, yielding after each (the last hidden
-        state goes to `final`): a scheduler can run other work between the layers of a prefill.
-        The arithmetic is `forward`'s own: it runs through this too."""
-        h = self.embed(tokens)
-        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
-        for layer, layer_cache in zip(self.model.layers, cache, strict=True):
-            h = layer(h, layer_cache, start, positions, self.rope_for(layer))
+        """The decoder layers over tokens [m] of one sequence, one at a time, yielding after each
+        (the last hidden state goes to `final`): a scheduler can run other work between the layers
+        of a prefill. The arithmetic is `forward`'s own: it runs through this too."""
+        return self.lane_steps(tokens, [SequencePass(cache, start, tokens.shape[0])], final)
+
+    def lane_steps(self, tokens: torch.Tensor, passes: Sequence[SequencePass],
+                   final: list[torch.Tensor] | None = None) -> Iterator[None]:
+        """`layer_steps` over the rows of several sequences at once: tokens [m] holds each pass's
+        rows in turn, and every row attends only to its own sequence's cache."""
+        return self.stage_steps(self.embed(tokens), passes, range(len(self.model.layers)), final)
+
+    def stage_steps(self, h: torch.Tensor, passes: Sequence[SequencePass], layers: range,
+                    final: list[torch.Tensor] | None = None) -> Iterator[None]:
+        """Decoder layers `layers` over hidden states h [m, hidden] (the rows of `passes`, in
+        turn), yielding after each: the whole model, or a pipeline stage's share of it."""
+        lanes, begin = [], 0
+        for one in passes:
+            positions = torch.arange(one.start, one.start + one.rows, device=h.device)
+            lanes.append((begin, one, positions))
+            begin += one.rows
+        if begin != h.shape[0]:
+            raise ValueError(f"the passes hold {begin} rows, the hidden states {h.shape[0]}")
+        for index in layers:
+            layer = self.model.layers[index]
+            layer_lanes = [Lane(first, one.rows, one.caches[index], one.start, positions)
+                           for first, one, positions in lanes]
+            h = layer(h, layer_lanes, self.rope_for(layer))
             yield
         if final is not None:
             final.append(h)
@@ -289,12 +337,20 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: list[LayerCache], start: int,
                 logits: bool = True) -> torch.Tensor | None:
         """Logits [m, vocab] (float32) of tokens [m] at positions start..start+m; None if not `logits`."""
+        return self.forward_passes(tokens, [SequencePass(cache, start, tokens.shape[0])], logits)
+
+    def forward_passes(self, tokens: torch.Tensor, passes: Sequence[SequencePass],
+                       logits: bool = True) -> torch.Tensor | None:
+        """Logits [m, vocab] of the rows of several sequences' passes run as one (see `lane_steps`)."""
         final: list[torch.Tensor] = []
-        for _ in self.layer_steps(tokens, cache, start, final):
+        for _ in self.lane_steps(tokens, passes, final):
             pass
         if not logits:
             return None
-        h = final[0]
+        return self.logits(final[0])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits [m, vocab] of the last layer's hidden states h [m, hidden]."""
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         if self.head_int8 is not None:
             head = self.head_int8
