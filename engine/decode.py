@@ -244,9 +244,6 @@ class Generation:
             if self.completion is None:
                 self.steps.close()
 
-    def close(self) -> None:
-        self.steps.close()
-
     def run(self) -> Completion:
         for _ in self:
             pass
@@ -376,7 +373,6 @@ class Engine:
         drafts = request.tokens[1:]  # what the driver ran (it may have cut the drafts)
         base = request.cache.length - len(request.tokens)  # absolute position of row 0's token
         cache, logits = request.cache, request.logits
-        request.logits = None
         committed = self._verify(logits, drafts, base, config.params, reply.constraint, stats)
         # the rows that chose the committed tokens, copied before a rollback's replay can reuse the buffer
         chosen_rows = logits[: len(committed)].copy() if config.logprobs is not None else None
@@ -388,7 +384,7 @@ class Engine:
         stats.pass_seconds.append(seconds)
         stats.drafted += len(drafts)
         stats.accepted += accepted
-        self.controller.observe_pass(request.rows or len(request.tokens), request.seconds or seconds)
+        self.controller.observe_pass(request.rows, request.seconds)  # the whole pass, as its driver ran it
         if reply.drafter is not None:
             self.controller.observe_drafts(len(drafts), accepted, draft_seconds)
         now = time.perf_counter() - started

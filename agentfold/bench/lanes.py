@@ -212,6 +212,7 @@ def run_session(runtime: Any, engine: Any, client: dict[str, Any], cache: Any, m
                 deadline: float | None, turns: int | None) -> list[tuple[Any, Any]]:
     """One agent's closed loop: a turn, then the next (its reply and a follow-up appended, the
     cache carried over as a session keeps it) until `deadline` passes or `turns` are done."""
+    from agentfold.engine.decode import first_mismatch
     from agentfold.serve.scheduler import TurnRequest
 
     messages, prompt, done = list(client["messages"]), list(client["prompt"]), []
@@ -224,9 +225,8 @@ def run_session(runtime: Any, engine: Any, client: dict[str, Any], cache: Any, m
         messages += [{"role": "assistant", "content": completion.text},
                      {"role": "user", "content": FOLLOW_UPS[client["kind"]]}]
         prompt = encode_chat(engine.tokenizer, messages)
-        common = next((i for i, (a, b) in enumerate(zip(prompt, cache.tokens, strict=False)) if a != b),
-                      min(len(prompt) - 1, cache.length))
-        engine.backend.truncate(cache, min(common, len(prompt) - 1))  # the rendered reply may re-tokenize
+        kept = first_mismatch(prompt, cache.tokens)  # the rendered reply may re-tokenize
+        engine.backend.truncate(cache, min(cache.length if kept is None else kept, len(prompt) - 1))
     return done
 
 

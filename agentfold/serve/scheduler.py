@@ -273,9 +273,8 @@ class Runtime:
 
     def _finish_pass(self, turn: Turn) -> bool:
         """Resume `turn` with its pass's logits and send the tokens it committed; False once ended."""
-        if turn._pending is None or turn._pending.logits is None:  # its shared pass failed
-            turn._pending = None
-            return turn.status not in ("failed", "cancelled")
+        if turn._pending is None:  # its shared pass failed, and the turn with it (`_run_lanes`)
+            return False
         turn._pending = None
         try:
             delta = next(turn._iter)

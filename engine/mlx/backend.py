@@ -42,16 +42,14 @@ class MLXBackend:
         self.patched = attention.install(self.model) if row_exact_attention else []
         probe = self.new_cache()
         self.recurrent_layers = [i for i, layer in enumerate(probe.layers) if isinstance(layer, ArraysCache)]
+        # whether `forward_many` runs lanes as one pass (else one `forward` per lane): decided once
+        self.shares_passes = lanes_mod.supports(self.model) and not self.recurrent_layers
         self.vocab_size = int(self.model.args.vocab_size) if hasattr(self.model, "args") else None
 
     @property
     def has_recurrent_state(self) -> bool:
         return bool(self.recurrent_layers)
 
-    @property
-    def shares_passes(self) -> bool:
-        """Whether `forward_many` runs lanes as one pass (else one `forward` per lane)."""
-        return lanes_mod.supports(self.model) and not self.recurrent_layers
 
     def new_cache(self) -> CacheState:
         """Fresh caches; sliding-window layers get a full KV cache so every layer can be trimmed."""
@@ -77,7 +75,7 @@ class MLXBackend:
         """`forward` of each lane, the lanes run as one pass (`engine.mlx.lanes`): the same bits, the
         weights read once. Other models, other caches, empty or shared lanes: one `forward` each."""
         caches = [cache for _, cache in lanes]
-        if (len(lanes) < 2 or not lanes_mod.supports(self.model) or len({id(c) for c in caches}) < len(caches)
+        if (len(lanes) < 2 or not self.shares_passes or len({id(c) for c in caches}) < len(caches)
                 or not all(tokens and lanes_mod.plain_kv(c.layers) for tokens, c in lanes)):
             return [self.forward(tokens, cache) for tokens, cache in lanes]
         logits = lanes_mod.forward_lanes(self.model, [(tokens, cache.layers) for tokens, cache in lanes])

@@ -20,6 +20,7 @@ from agentfold.engine.cache_layout import CacheLayoutError, array_name, bits_dty
 from agentfold.engine.mlx.loader import LoadedModel
 from agentfold.engine.protocol import CacheState, Checkpoint, Lane, prefill_in_chunks, split_lanes
 from agentfold.engine.torch.models import ops, quantize
+from agentfold.engine.torch.models.cache import LayerCache
 from agentfold.engine.torch.models.llama import SequencePass
 from agentfold.kernels import torch_cpu
 
@@ -118,32 +119,27 @@ class TorchBackend:
         """The cache's valid rows as numpy arrays (bfloat16 as uint16 bits, see `cache_layout`), and their layout."""
         arrays: dict[str, np.ndarray] = {"tokens": tokens_array(cache.tokens)}
         layout: list[dict[str, Any]] = []
-        n = cache.length
         for i, layer in enumerate(cache.layers):
-            spec: dict[str, Any] = {"kind": "kv", "offset": n}
-            for part, tensor in zip(("keys", "values"), layer.read(n), strict=True):
-                arrays[array_name(i, part)] = _to_numpy(tensor, spec, part)
-            layout.append(spec)
+            layout.append(kv_to_arrays(arrays, i, layer, cache.length))
         return arrays, layout
+
+    def _cache_for(self, arrays: Mapping[str, np.ndarray], layout: list[dict[str, Any]]) -> tuple[CacheState,
+                                                                                                  list[int]]:
+        """An empty cache for a snapshot with this model's layer count, and the snapshot's tokens."""
+        cache = self.new_cache()
+        if len(cache.layers) != len(layout):
+            raise CacheLayoutError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
+        return cache, tokens_of(arrays)
 
     def arrays_to_cache(self, arrays: Mapping[str, np.ndarray], layout: list[dict[str, Any]]) -> CacheState:
         """A new cache holding `arrays` (copied: the store's hot copy is never written to). Raises
         CacheLayoutError when they do not fit this model's cache."""
-        cache = self.new_cache()
-        if len(cache.layers) != len(layout):
-            raise CacheLayoutError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
-        tokens = tokens_of(arrays)
+        cache, tokens = self._cache_for(arrays, layout)
         n = len(tokens)
         for i, (layer, spec) in enumerate(zip(cache.layers, layout, strict=True)):
             if spec.get("kind") != "kv" or spec.get("offset") != n:
                 raise CacheLayoutError(f"layer {i}: snapshot holds {spec}, the model a {n}-token KV cache")
-            if n:
-                keys, values = (_from_numpy(arrays, i, spec, part, layer.keys) for part in ("keys", "values"))
-                expected = [layer.keys.shape[0], n, layer.keys.shape[2]]
-                if list(keys.shape) != expected or values.shape != keys.shape:
-                    raise CacheLayoutError(f"layer {i}: snapshot keys are {list(keys.shape)}, values "
-                                           f"{list(values.shape)}; this model's are {expected}")
-                layer.write(0, keys, values)
+            kv_from_arrays(arrays, i, spec, layer, n)
         cache.tokens = tokens
         return cache
 
@@ -176,6 +172,29 @@ def resolve_quant(quant: str, device: torch.device, model: torch.nn.Module) -> s
     if quant == "int8" and device.type != "cpu":
         raise ValueError("int8 weights run on the CPU; on CUDA the torch backend uses float weights")
     return quant
+
+
+def kv_to_arrays(arrays: dict[str, np.ndarray], index: int, layer: LayerCache, length: int) -> dict[str, Any]:
+    """Layer `index`'s keys and values of its first `length` positions into `arrays` (copies);
+    its layout entry (`engine.cache_layout`)."""
+    spec: dict[str, Any] = {"kind": "kv", "offset": length}
+    for part, tensor in zip(("keys", "values"), layer.read(length), strict=True):
+        arrays[array_name(index, part)] = _to_numpy(tensor, spec, part)
+    return spec
+
+
+def kv_from_arrays(arrays: Mapping[str, np.ndarray], index: int, spec: dict[str, Any], layer: LayerCache,
+                   length: int) -> None:
+    """Write layer `index`'s `length` snapshot positions into `layer`; CacheLayoutError when their
+    shape or dtype is not this model's."""
+    if not length:
+        return
+    keys, values = (_from_numpy(arrays, index, spec, part, layer.keys) for part in ("keys", "values"))
+    expected = [layer.keys.shape[0], length, layer.keys.shape[2]]
+    if list(keys.shape) != expected or values.shape != keys.shape:
+        raise CacheLayoutError(f"layer {index}: snapshot keys are {list(keys.shape)}, values "
+                               f"{list(values.shape)}; this model's are {expected}")
+    layer.write(0, keys, values)
 
 
 def _to_numpy(tensor: torch.Tensor, spec: dict[str, Any], part: str) -> np.ndarray:

@@ -24,9 +24,9 @@ import safetensors
 import safetensors.numpy
 import torch
 
-from agentfold.engine.cache_layout import CacheLayoutError, array_name
+from agentfold.engine.cache_layout import CacheLayoutError
 from agentfold.engine.mlx.loader import LoadedModel
-from agentfold.engine.torch.backend import _from_numpy, _to_numpy
+from agentfold.engine.torch.backend import kv_from_arrays, kv_to_arrays
 from agentfold.engine.torch.models.cache import LayerCache
 from agentfold.engine.torch.models.llama import SequencePass
 from agentfold.engine.torch.stage_wire import CONNECT_TIMEOUT_S, IDLE_TIMEOUT, StageSetupError, Wire, connect
@@ -124,10 +124,7 @@ class StageWorker:
         n = int(header["length"])
         arrays, specs = {}, {}
         for i in self.own:
-            spec: dict[str, Any] = {"kind": "kv", "offset": n}
-            for part, tensor in zip(("keys", "values"), caches[i].read(n), strict=True):
-                arrays[array_name(i, part)] = _to_numpy(tensor, spec, part)
-            specs[str(i)] = spec
+            specs[str(i)] = kv_to_arrays(arrays, i, caches[i], n)
         meta = {"tokens": header["tokens"], "length": n, "layers": [self.own.start, self.own.stop], "specs": specs}
         sha = arrays_digest(arrays, meta)
         path = self._file(sha)
@@ -162,10 +159,7 @@ class StageWorker:
             raise CacheLayoutError(f"stage {self.rank}: {path.name} holds other tokens or layers")
         caches = self.model.make_cache()
         for i in self.own:
-            spec = meta["specs"][str(i)]
-            if n:
-                keys, values = (_from_numpy(arrays, i, spec, part, caches[i].keys) for part in ("keys", "values"))
-                caches[i].write(0, keys, values)
+            kv_from_arrays(arrays, i, meta["specs"][str(i)], caches[i], n)
         self.caches[int(header["cache"])] = caches
         return {"ok": True}
 

@@ -52,10 +52,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from agentfold.engine.cache_layout import CacheLayoutError, array_name, tokens_array, tokens_of
+from agentfold.engine.cache_layout import CacheLayoutError, array_name, tokens_array
 from agentfold.engine.mlx.loader import LoadedModel
 from agentfold.engine.protocol import CacheState, Lane, split_lanes
-from agentfold.engine.torch.backend import TorchBackend, _from_numpy, _to_numpy
+from agentfold.engine.torch.backend import TorchBackend, kv_from_arrays, kv_to_arrays
 from agentfold.engine.torch.models.llama import SequencePass
 from agentfold.engine.torch.stage_wire import (
     CONNECT_TIMEOUT_S,
@@ -334,12 +334,8 @@ class StagedBackend(TorchBackend):
         n = cache.length
         for i, layer in enumerate(cache.layers):
             stage = stage_of(self.plan, i)
-            spec: dict[str, Any] = {"kind": "kv", "offset": n} if stage == 0 else {"kind": "stage", "stage": stage,
-                                                                                   "offset": n}
-            if stage == 0:
-                for part, tensor in zip(("keys", "values"), layer.read(n), strict=True):
-                    arrays[array_name(i, part)] = _to_numpy(tensor, spec, part)
-            layout.append(spec)
+            layout.append(kv_to_arrays(arrays, i, layer, n) if stage == 0 else {"kind": "stage", "stage": stage,
+                                                                                  "offset": n})
         header = {"op": "save", "cache": self._cache_id(cache), "length": n, "tokens": tokens_digest(cache.tokens)}
         for stage in range(1, len(self.plan)):
             reply, _ = self._exchange(stage, header)
@@ -350,10 +346,7 @@ class StagedBackend(TorchBackend):
     def arrays_to_cache(self, arrays: Mapping[str, np.ndarray], layout: list[dict[str, Any]]) -> CacheState:
         """A new cache: rank 0's layers from `arrays`, each stage's from its file (CacheLayoutError
         when any of them is missing, altered or does not fit)."""
-        cache = self.new_cache()
-        if len(cache.layers) != len(layout):
-            raise CacheLayoutError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
-        tokens = tokens_of(arrays)
+        cache, tokens = self._cache_for(arrays, layout)
         n = len(tokens)
         for i, (layer, spec) in enumerate(zip(cache.layers, layout, strict=True)):
             stage = stage_of(self.plan, i)
@@ -361,12 +354,8 @@ class StagedBackend(TorchBackend):
             if any(spec.get(k) != v for k, v in expected.items()) or spec.get("offset") != n:
                 raise CacheLayoutError(f"layer {i}: snapshot holds {spec}, this pipeline keeps it on stage {stage} "
                                        f"({n} tokens)")
-            if stage == 0 and n:
-                keys, values = (_from_numpy(arrays, i, spec, part, layer.keys) for part in ("keys", "values"))
-                shape = [layer.keys.shape[0], n, layer.keys.shape[2]]
-                if list(keys.shape) != shape or values.shape != keys.shape:
-                    raise CacheLayoutError(f"layer {i}: snapshot keys are {list(keys.shape)}, this model's {shape}")
-                layer.write(0, keys, values)
+            if stage == 0:
+                kv_from_arrays(arrays, i, spec, layer, n)
         for stage in range(1, len(self.plan)):
             ref = arrays.get(array_name(self.plan[stage].start, "stage"))
             if ref is None or ref.dtype != np.uint8 or ref.size != 32:

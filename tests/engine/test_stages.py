@@ -24,7 +24,6 @@ from agentfold.cli import main as cli_main
 from agentfold.cli.stage import free_port, stage_command, stop_processes
 from agentfold.engine.cache_layout import CacheLayoutError
 from agentfold.engine.decode import Engine, GenerationConfig
-from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import SuffixLookupDrafter
 from agentfold.engine.protocol import forward_lanes
 from agentfold.engine.sampler import SamplingParams
@@ -41,19 +40,10 @@ from agentfold.engine.torch.stages import (
     split_layers,
 )
 from agentfold.sessions import SessionManager
-from tests.helpers.torch_tiny import write_folder, write_gemma3_folder
+from tests.helpers.drafting import PinnedDepth
+from tests.helpers.torch_tiny import CHATML, TINY_PROMPT, write_folder, write_gemma3_folder
 
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.7, seed=2)
-TINY_PROMPT = "def add(a, b):\n    return a + b\n" * 3 + "def add(a, b):\n    return"
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-class PinnedDepth(DepthController):
-    """Always verify as many drafts as the self-check allows: every drafted test really drafts."""
-
-    def depth(self, limit: int | None = None) -> int:
-        return self.max_depth if limit is None else max(0, min(self.max_depth, limit))
 
 
 @contextmanager

@@ -22,7 +22,6 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 
 from agentfold.engine.decode import Completion, Engine, GenerationConfig
-from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import DraftModelDrafter, NoiseDrafter, SuffixLookupDrafter
 from agentfold.engine.factory import build_engine
 from agentfold.engine.mlx.backend import CacheState, MLXBackend
@@ -30,6 +29,7 @@ from agentfold.engine.mlx.loader import LoadedModel
 from agentfold.engine.sampler import SamplingParams
 from agentfold.engine.selfcheck import ExactnessReport, check_row_exactness
 from agentfold.kernels import attention
+from tests.helpers.drafting import PinnedDepth
 from tests.helpers.tiny_models import build_model, loaded_model, make_tokenizer, perturbed_copy, tiny_config
 
 ARCHS = ("qwen3", "qwen3_moe", "qwen3_next")
@@ -53,13 +53,6 @@ class Target:
     report: ExactnessReport
     draft: LoadedModel  # a draft model of the same vocabulary with trimmable caches
     draft_agrees: bool  # the draft is a perturbed copy of the target (it is right most of the time)
-
-
-class PinnedDepth(DepthController):
-    """Always verify as many drafts as the self-check allows (and the room left)."""
-
-    def depth(self, limit: int | None = None) -> int:
-        return self.max_depth if limit is None else max(0, min(self.max_depth, limit))
 
 
 class FlawedOracleDrafter:

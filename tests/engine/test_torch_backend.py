@@ -19,7 +19,6 @@ import torch
 
 from agentfold.cli import main as cli_main
 from agentfold.engine.decode import Engine, GenerationConfig
-from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import DraftModelDrafter, SuffixLookupDrafter
 from agentfold.engine.factory import build_engine
 from agentfold.engine.mlx.backend import MLXBackend
@@ -30,7 +29,8 @@ from agentfold.engine.torch.loader import load_torch_model
 from agentfold.engine.torch.models.qwen3_moe import ReferenceExperts, moe_blocks
 from agentfold.sessions import SessionManager
 from tests.conftest import chat_ids
-from tests.helpers.torch_tiny import write_folder
+from tests.helpers.drafting import PinnedDepth
+from tests.helpers.torch_tiny import CHATML, TINY_PROMPT, write_folder
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.7, seed=2)
@@ -47,16 +47,6 @@ def scale(x, factor):
 """
 CODE_EDIT = f"Rename the parameter `x` to `value` everywhere in this code and show the whole code.\n\n```python\n{CODE}```"
 ANSWER_START = "```python\ndef clamp(value, low, high):\n"  # the reply's first line, so samples stay on the code
-TINY_PROMPT = "def add(a, b):\n    return a + b\n" * 3 + "def add(a, b):\n    return"
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-class PinnedDepth(DepthController):
-    """Always verify as many drafts as the self-check allows (and the room left)."""
-
-    def depth(self, limit: int | None = None) -> int:
-        return self.max_depth if limit is None else max(0, min(self.max_depth, limit))
 
 
 def pinned(engine: Engine, drafter=None) -> Engine:

@@ -18,6 +18,10 @@ from safetensors.torch import save_file
 from tests.helpers.tiny_models import make_tokenizer
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 64, 4, 2, 16, 128
+# a prompt the suffix drafter can copy from, and a ChatML template for the tiny tokenizer
+TINY_PROMPT = "def add(a, b):\n    return a + b\n" * 3 + "def add(a, b):\n    return"
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def tiny_config(model_type: str, vocab_size: int, layers: int = 2) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from mcp.shared.exceptions import MCPError
 
 from agentfold.chat.template import render_chat
 from agentfold.engine.decode import GenerationConfig
-from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import NoiseDrafter
 from agentfold.engine.sampler import SamplingParams
 from agentfold.http.app import create_app
@@ -28,6 +27,7 @@ from agentfold.mcp.results import HIDDEN_TURN_FIELDS
 from agentfold.mcp.server import mount_mcp
 from agentfold.serve.service import Service
 from tests.helpers.api_helpers import ServerThread
+from tests.helpers.drafting import PinnedDepth
 from tests.helpers.mcp_calls import call, error_text
 
 pytestmark = pytest.mark.anyio
@@ -229,13 +229,6 @@ async def test_check_exactness_equal_on_the_real_model(service, mcp):
     assert result["serial"]["drafted"] == 0 and result["serial"]["tokens"] == len(reference.tokens)
     for side in ("drafted", "serial"):
         assert result[side]["total_ms"] > 0 and result[side]["verify_passes"] >= 1
-
-
-class PinnedDepth(DepthController):
-    """Always propose drafts, as deep as allowed, whatever the cost model thinks."""
-
-    def depth(self, limit: int | None = None) -> int:
-        return self.max_depth if limit is None else max(0, min(self.max_depth, limit))
 
 
 async def test_check_exactness_catches_a_broken_drafter(service, mcp, monkeypatch):

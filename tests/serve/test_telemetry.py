@@ -17,13 +17,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentfold.engine.decode import Completion, Engine, GenerationConfig
-from agentfold.engine.depth import DepthController
 from agentfold.engine.drafters import DraftModelDrafter
 from agentfold.engine.mlx.backend import MLXBackend
 from agentfold.engine.sampler import SamplingParams
 from agentfold.engine.selfcheck import check_row_exactness
 from agentfold.serve.metrics import Metrics
 from agentfold.serve.telemetry import TelemetryStore, TurnRecord, timings
+from tests.helpers.drafting import PinnedDepth
 from tests.helpers.tiny_models import build_model, loaded_model, make_tokenizer, perturbed_copy, tiny_config
 
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n" * 3 + "def add(a, b):\n    return"
@@ -38,13 +38,6 @@ draft_method verify_passes drafted accepted discarded tokens_per_pass acceptance
 proposed_per_position snapshot_id cache_match_tokens cache_miss_reason
 audit mismatch_position token_sha audit_token_sha
 """.split()
-
-
-class PinnedDepth(DepthController):
-    """Always draft as deep as the self-check allows: on a model this small the cost model would not."""
-
-    def depth(self, limit: int | None = None) -> int:
-        return self.max_depth if limit is None else max(0, min(self.max_depth, limit))
 
 
 @pytest.fixture(scope="module")
