@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentfold.engine.constraints import GrammarConstraint
-from agentfold.engine.depth import DepthController
+from agentfold.engine.depth import DepthController, DraftOdds
 from agentfold.engine.drafters import Drafter
 from agentfold.engine.protocol import Backend, CacheState, Checkpoint
 from agentfold.engine.sampler import SamplingParams, TokenLogprob, choose, token_logprob
@@ -318,7 +318,8 @@ class Engine:
         fork = getattr(self.drafter, "fork", None)
         reply = _Reply(history=list(prompt), detok=Detokenizer(self.tokenizer),
                        drafter=(fork() if fork is not None else self.drafter) if drafting else None,  # per-reply state
-                       constraint=GrammarConstraint(self.tokenizer, config.grammar) if config.grammar else None)
+                       constraint=GrammarConstraint(self.tokenizer, config.grammar) if config.grammar else None,
+                       odds=self.controller.start())
         while reply.finish is None:
             drafts, draft_seconds = self._propose(reply, config)
             checkpoint = self.backend.checkpoint(cache) if drafts else None
@@ -359,7 +360,7 @@ class Engine:
         room = config.max_tokens - len(reply.emitted) - 1
         if reply.drafter is None or room <= 0:
             return [], 0.0
-        depth = self.controller.depth(room)
+        depth = self.controller.depth(room, reply.odds)
         if not depth:
             return [], 0.0
         began = time.perf_counter()
@@ -384,9 +385,9 @@ class Engine:
         stats.pass_seconds.append(seconds)
         stats.drafted += len(drafts)
         stats.accepted += accepted
-        self.controller.observe_pass(request.rows, request.seconds)  # the whole pass, as its driver ran it
+        self.controller.observe_pass(request.rows, request.seconds, reply.odds, len(request.tokens))  # whole pass
         if reply.drafter is not None:
-            self.controller.observe_drafts(len(drafts), accepted, draft_seconds)
+            self.controller.observe_drafts(len(drafts), accepted, draft_seconds, reply.odds)
         now = time.perf_counter() - started
         kept = reply.commit(committed, now, config, self.eos_token_ids, stats)
         if kept < len(committed) and checkpoint is not None:  # the reply ended inside this pass
@@ -435,6 +436,7 @@ class _Reply:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per emitted token, when the config asks
     finish: str | None = None
     sent: int = 0  # characters of detok.text already streamed
+    odds: DraftOdds = field(default_factory=lambda: DraftOdds(0.6))  # its drafts' acceptance (`DepthController.start`)
 
     def commit(self, committed: list[int], now: float, config: GenerationConfig, eos: set[int],
                stats: DecodeStats) -> int:

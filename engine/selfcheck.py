@@ -16,6 +16,8 @@ import numpy as np
 
 from agentfold.engine.protocol import Backend, CacheState, Checkpoint
 
+LANE_WIDTH = 64  # the widest shared pass checked: the row-exact kernels' per-row limit (kernels.*.PER_ROW_LIMIT)
+
 
 @dataclass
 class ExactnessReport:
@@ -26,7 +28,12 @@ class ExactnessReport:
     max_abs_diff: dict[int, float] = field(default_factory=dict)
     pass_seconds: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
-    lanes: bool = False  # rows of different sequences in one pass (`forward_many`) were exact too
+    lane_width: int = 0  # rows of a shared pass (`forward_many`) found exact across sequences; 0: lanes off
+
+    @property
+    def lanes(self) -> bool:
+        """Whether rows of different sequences may share a pass (lanes)."""
+        return self.lane_width > 1
 
     @property
     def drafting(self) -> bool:
@@ -41,7 +48,7 @@ class ExactnessReport:
         text = f"row-exact up to {self.max_width} rows"
         if failed:
             text += f" ({failed[0]} rows differ by {self.max_abs_diff[failed[0]]:.1e}: passes capped)"
-        return text + (", across replies too (lanes on)" if self.lanes else "")
+        return text + (f", {self.lane_width} rows across replies (lanes on)" if self.lanes else "")
 
 
 def probe_tokens(vocab_size: int, count: int) -> list[int]:
@@ -51,7 +58,10 @@ def probe_tokens(vocab_size: int, count: int) -> list[int]:
     return [int(t) for t in rng.integers(low, vocab_size, size=count)]
 
 
-def check_row_exactness(backend: Backend, max_width: int = 16, prompt_length: int = 40) -> ExactnessReport:
+def check_row_exactness(backend: Backend, max_width: int = 16, prompt_length: int = 40,
+                        lane_width: int = LANE_WIDTH) -> ExactnessReport:
+    """The widest row-exact verify pass up to `max_width` rows and, where the backend shares passes,
+    the widest shared pass (up to `lane_width` rows, lanes of at most `max_width` rows each)."""
     started = time.perf_counter()
     vocab = backend.vocab_size or 1000
     tokens = probe_tokens(vocab, prompt_length + max_width + 1)
@@ -85,23 +95,39 @@ def check_row_exactness(backend: Backend, max_width: int = 16, prompt_length: in
             break
         report.max_width = width
     if report.drafting and getattr(backend, "shares_passes", False):  # lanes that run one by one gain nothing
-        report.lanes = _lanes_exact(backend, cache, base, serial, rows, tokens, report.max_width)
+        for width in dict.fromkeys((max(lane_width, report.max_width), report.max_width)):
+            if _lanes_exact(backend, cache, base, serial, rows, tokens, width, report.max_width):
+                report.lane_width = width
+                break
     report.seconds = time.perf_counter() - started
     return report
 
 
 def _lanes_exact(backend: Backend, cache: CacheState, base: Checkpoint, serial: list[np.ndarray],
-                 rows: list[int], tokens: list[int], width: int) -> bool:
-    """Whether a pass of `width` rows split between two sequences (a third of them on the probe's
-    cache, the rest on a shorter one) gives every row the bits of its one-row step."""
-    other = backend.new_cache()
-    backend.prefill(tokens[3 : len(tokens) - width - 12], other)  # another length, other tokens
-    mark = backend.checkpoint(other)
-    first = max(1, width // 3)
-    other_rows = rows[::-1][: width - first]
-    alone = [backend.forward([token], other)[0].copy() for token in other_rows]
-    backend.rollback(other, mark, 0)
-    lanes = backend.forward_many([(rows[:first], cache), (other_rows, other)])
+                 rows: list[int], tokens: list[int], width: int, lane_rows: int) -> bool:
+    """Whether a pass of `width` rows split into lanes of at most `lane_rows` rows (the first on the
+    probe's cache, each other on a shorter cache of its own, other tokens) gives every row the bits
+    of that lane's pass alone: the probe's rows its one-row steps, the others their own pass of
+    at most `lane_rows` rows, which the width check has just found equal to one-row steps (one
+    pass per lane instead of a step per row: wide shared passes cost little to check)."""
+    first = min(lane_rows, max(1, width // 3))
+    lanes, expected, marks = [(rows[:first], cache)], [serial[:first]], []
+    left, shift = width - first, 0
+    while left > 0:
+        count, shift = min(lane_rows, left), shift + 1
+        other = backend.new_cache()
+        span = len(tokens) - lane_rows - 1  # the probe's prompt and then some: enough to vary lengths
+        backend.prefill(tokens[1 + shift % 4 : span - 2 * (shift % 5)], other)  # other tokens, another length
+        mark = backend.checkpoint(other)
+        other_rows = [rows[(j * (shift + 1) + shift) % len(rows)] for j in range(count)]
+        expected.append(backend.forward(other_rows, other).copy())  # its own pass: row-exact up to lane_rows
+        backend.rollback(other, mark, 0)
+        lanes.append((other_rows, other))
+        marks.append(mark)
+        left -= count
+    outputs = backend.forward_many(lanes)
     backend.rollback(cache, base, 0)
-    return (all(np.array_equal(lanes[0][j], serial[j]) for j in range(first))
-            and all(np.array_equal(lanes[1][j], alone[j]) for j in range(len(other_rows))))
+    for (_, other), mark in zip(lanes[1:], marks, strict=True):
+        backend.rollback(other, mark, 0)
+    return all(np.array_equal(got[j], want[j]) for got, want in zip(outputs, expected, strict=True)
+               for j in range(len(want)))

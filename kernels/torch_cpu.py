@@ -18,14 +18,17 @@ a reduction splits across threads or a row straddles the scalar tail) each row i
 
 from __future__ import annotations
 
+import ctypes
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-VERSION = 2  # bump when any kernel's arithmetic changes (it is part of snapshot keys)
+from agentfold.kernels import native
+
+VERSION = 3  # bump when any kernel's arithmetic changes (it is part of snapshot keys)
 PER_ROW_LIMIT = 64  # passes wider than this are prefill chunks: batched, not row-exact
 PREFILL_BLOCK = 256  # query rows per batched attention call (bounds the score matrix)
 PROBE_ROWS = 16  # the widest block `linear` checks for
@@ -109,7 +112,8 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, transce
     m, d = x.shape
     if _batched(m) or rows_alike(m, d, transcendental):
         return fn(x)
-    return torch.cat([fn(x[i : i + 1]) for i in range(m)])
+    step = max(1, (GRAIN - 1) // d) if rows_alike(1, d, transcendental) else 1  # blocks that stay alike
+    return torch.cat([fn(x[i : i + step]) for i in range(0, m, step)])
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,3 +178,48 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions:
     hidden = torch.arange(length, device=k.device)[None, :] > q_positions[:, None]
     probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(v.dtype)
     return torch.matmul(probs.view(kv_heads, -1, length), v).view(heads, m, d)
+
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_LANE_SIGNATURE = {"lane_attention": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                                      ctypes.c_float, _I64, ctypes.c_int], "lane_attention_fused": ([], ctypes.c_int)}
+LaneKV = tuple[int, int, int, torch.Tensor, torch.Tensor]  # rows begin, rows, start, keys, values [kv_heads, cap, d]
+
+
+def lane_library() -> ctypes.CDLL | None:
+    """csrc/lane_attention.c (threads from torch's own OpenMP runtime where it links; else one thread)."""
+    return native.load("lane_attention", _LANE_SIGNATURE, variants=(["-fopenmp"], []))
+
+
+def attention_kernel() -> str:
+    """Which kernel runs decode and verify attention here (part of a snapshot key)."""
+    lib = lane_library()
+    if lib is None:
+        return "torch per row"
+    return "lane_attention.c/fma" if lib.lane_attention_fused() else "lane_attention.c"
+
+
+def lane_attention(q: torch.Tensor, lanes: Sequence[LaneKV], scale: float, window: int | None) -> torch.Tensor | None:
+    """Decode / verify attention of every lane of a pass in one C call: q [m, heads, d] (lane after
+    lane) -> [m, heads, d]; a lane's row at position p sees its own cache's keys 0..p (with a
+    `window`, the last `window` of them). Row-exact by construction (csrc/lane_attention.c), and a
+    lane's keys and values are read once for all of its rows. None where it does not apply (a
+    prefill chunk, a pass wider than PER_ROW_LIMIT, other dtypes, no compiler): the caller runs
+    `attention` per lane."""
+    m, heads, d = q.shape
+    lib = lane_library()
+    if lib is None or m > PER_ROW_LIMIT or getattr(_PREFILL, "on", False) or q.dtype != torch.float32:
+        return None
+    if any(keys.dtype != torch.float32 or not keys.is_contiguous() or not values.is_contiguous()
+           for _, _, _, keys, values in lanes):
+        return None
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    count = len(lanes)
+    columns = list(zip(*[(begin, rows, start, keys.shape[1], keys.data_ptr(), values.data_ptr())
+                         for begin, rows, start, keys, values in lanes], strict=True))
+    arrays = [(ctypes.c_int64 * count)(*column) for column in columns]
+    kv_heads = lanes[0][3].shape[0]
+    lib.lane_attention(q.data_ptr(), out.data_ptr(), heads, kv_heads, d, count, *arrays, scale, window or 0,
+                       torch.get_num_threads())
+    return out

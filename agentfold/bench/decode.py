@@ -246,6 +246,7 @@ def _exactness_section(exactness: Any) -> dict[str, Any] | None:
         return None
     return {
         "max_width": exactness.max_width,
+        "lane_width": exactness.lane_width,  # rows of several replies' shared pass (lanes), 0: off
         "drafting": exactness.drafting,
         "checked_widths": sorted(exactness.checked),
         "checked": {str(w): ok for w, ok in sorted(exactness.checked.items())},

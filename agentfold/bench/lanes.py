@@ -1,15 +1,13 @@
 """`agentfold bench lanes`: many agent sessions on one runtime: aggregate throughput, latency, exactness.
 
-Several agents (sub-agents, parallel tasks, a team on one box) share one local model. The
-scheduler runs every active reply's verify pass as a lane of one shared pass, and every reply
-must stay byte-identical to what it is alone. This bench measures it as agents use it: each
+Several agents share one local model; the scheduler runs every active reply's verify pass as a
+lane of one shared pass, and every reply must stay byte-identical to what it is alone. Each
 client is a session in a closed loop (a turn, then the next with its reply and a follow-up
-appended, the cache carried over as a session keeps it), on the engine `agentfold serve` builds.
-Level n runs the first n of eight clients (six code edits that paste a stdlib window and ask it
-back with a function renamed, a fresh function, and a sampled story) for a fixed window; the
-aggregate rate counts the tokens committed inside it, so a slow last reply does not decide it.
-Then every client's turns run again alone, and each turn must equal its solo run. Speed is
-reported, never asserted; equality must hold. `METHOD` below says how each figure is taken.
+appended, the cache carried over) on the engine `agentfold serve` builds. Level n runs the first
+n of eight clients (six code edits that ask a pasted stdlib window back with a function renamed,
+a fresh function, a sampled story) for a fixed window, counting the tokens committed inside it;
+then every client's turns run again alone and each must equal its solo run. Speed is reported,
+never asserted; equality must hold. `METHOD` below says how each figure is taken.
 """
 
 from __future__ import annotations
@@ -124,7 +122,7 @@ def _r(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(float(value), digits)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def _ratio(a: float | None, b: float | None) -> float | None:  # a / b, None where either is missing or 0
     return round(a / b, 4) if a and b else None
 
 
@@ -210,8 +208,7 @@ def context_cache(engine: Any, prompt: Sequence[int]) -> tuple[dict[str, Any], l
 
 def run_session(runtime: Any, engine: Any, client: dict[str, Any], cache: Any, max_tokens: int, seed: int,
                 deadline: float | None, turns: int | None) -> list[tuple[Any, Any]]:
-    """One agent's closed loop: a turn, then the next (its reply and a follow-up appended, the
-    cache carried over as a session keeps it) until `deadline` passes or `turns` are done."""
+    """One agent's closed loop: a turn, then the next (reply and follow-up appended, cache kept) until `deadline`."""
     from agentfold.engine.decode import first_mismatch
     from agentfold.serve.scheduler import TurnRequest
 
@@ -336,9 +333,13 @@ def level_row(n: int, clients: Sequence[dict[str, Any]], level: dict[str, Any],
     drafted, accepted = sum(r["drafted"] for r in rows), sum(r["accepted"] for r in rows)
     checked = sum(r["turns"] for r in rows)
     unequal = [r for r in rows if r["equal_to_solo"] is False]
+    alone = [solo[c["index"]][k] for c in clients if c["index"] in solo  # the level's own turns, run alone
+             for k in range(len(level["sessions"][c["index"]]))]
+    solo_tps = _ratio(sum(len(c.tokens) for c in alone), sum(c.stats.total_seconds for c in alone))
     return {
         "clients": n, "max_active": n, "window_seconds": _r(seconds, 3), "tokens_in_window": tokens,
         "aggregate_tps": _r(tokens / seconds), "speedup_vs_1": None,  # filled in once level 1 is known
+        "solo_tps": solo_tps, "speedup_vs_solo": _ratio(tokens / seconds, solo_tps),
         "turns": checked, "completion_tokens": sum(r["completion_tokens"] for r in rows),
         "drafted": drafted, "accepted": accepted,
         "tokens_per_pass": _r(sum(r["completion_tokens"] for r in rows) / max(1, sum(r["verify_passes"] for r in rows)),
@@ -417,12 +418,10 @@ def bench_lanes(model: str | None = None, out: str | Path | None = "bench-result
         solo[client["index"]] = [completion for _, completion in alone["sessions"][client["index"]]]
     rows = _level_rows(clients, chosen, runs, solo, say)
     off_row = level_row(top, clients[:top], off, solo)
-    result["lanes_off"] = {**off_row, "lanes_gain": _ratio(rows[-1]["aggregate_tps"], off_row["aggregate_tps"])}
-    say(f"lanes: {top} clients, lanes off: {off_row['aggregate_tps']} tok/s; lanes on gain "
-        f"{result['lanes_off']['lanes_gain']}x")
-    result["levels"] = rows
-    result["summary"] = {**summarize(rows, [off_row]), "lanes_gain": result["lanes_off"]["lanes_gain"]}
-    result["method"] = METHOD
+    gain = _ratio(rows[-1]["aggregate_tps"], off_row["aggregate_tps"])
+    say(f"lanes: {top} clients, lanes off: {off_row['aggregate_tps']} tok/s; lanes on gain {gain}x")
+    result.update(lanes_off={**off_row, "lanes_gain": gain}, levels=rows, method=METHOD,
+                  summary={**summarize(rows, [off_row]), "lanes_gain": gain})
     if out is not None:
         finish_run(result, started, out)
     else:
@@ -430,7 +429,7 @@ def bench_lanes(model: str | None = None, out: str | Path | None = "bench-result
         result["duration_seconds"] = round(time.perf_counter() - started, 3)
     s = result["summary"]
     say(f"lanes: done in {result['duration_seconds']:.0f}s: aggregate tok/s {s['aggregate_tps']}, speedup vs 1 "
-        f"{s['speedup_vs_1']}; " + ("every turn equal to its solo run" if s["all_equal"] else
+        f"{s['speedup_vs_1']}, vs the same turns one at a time {s['speedup_vs_solo']}; " + ("every turn equal to its solo run" if s["all_equal"] else
                                     f"{s['equal_to_solo']['checked'] - s['equal_to_solo']['equal']} TURNS DIFFER "
                                     "from their solo runs"))
     return result
@@ -447,7 +446,8 @@ def _level_rows(clients: Sequence[dict[str, Any]], chosen: Sequence[int], runs: 
             say(f"lanes: MISMATCH at {row['clients']} clients: client {miss['index']} {miss['name']} turn "
                 f"{miss['turn']} differs from its solo run at token {miss['first_mismatch']}")
         say(f"lanes: {row['clients']} clients: {row['tokens_in_window']} tokens in {row['window_seconds']:g}s = "
-            f"{row['aggregate_tps']} tok/s ({row['speedup_vs_1']}x one client), {row['tokens_per_pass']} tok/pass, "
+            f"{row['aggregate_tps']} tok/s ({row['speedup_vs_1']}x one client, {row['speedup_vs_solo']}x the same turns "
+            f"one at a time), {row['tokens_per_pass']} tok/pass, "
             f"ITL p99 max {row['itl_p99_ms_max']} ms, equal to solo {row['equal_to_solo']['equal']}/"
             f"{row['equal_to_solo']['checked']} turns")
     return rows
@@ -461,6 +461,7 @@ def summarize(rows: Sequence[dict[str, Any]], others: Sequence[dict[str, Any]] =
         "levels": [r["clients"] for r in rows],
         "aggregate_tps": {str(r["clients"]): r["aggregate_tps"] for r in rows},
         "speedup_vs_1": {str(r["clients"]): r["speedup_vs_1"] for r in rows},
+        "speedup_vs_solo": {str(r["clients"]): r["speedup_vs_solo"] for r in rows},
         "tokens_per_pass": {str(r["clients"]): r["tokens_per_pass"] for r in rows},
         "itl_p99_ms_max": {str(r["clients"]): r["itl_p99_ms_max"] for r in rows},
         "drafted": sum(r["drafted"] for r in rows), "accepted": sum(r["accepted"] for r in rows),
@@ -484,7 +485,9 @@ METHOD = {
               "turns begun in the window run to their end (for the equality check) but only tokens committed inside "
               "it count",
     "aggregate_tps": "tokens committed inside the window (per-token commit times on the bench's clock) over its "
-                     "length; speedup_vs_1: over level 1's, the first client alone in the same loop",
+                     "length; speedup_vs_1: over level 1's, the first client alone in the same loop; "
+                     "speedup_vs_solo: over solo_tps, the level's own turns served one at a time (their solo runs' "
+                     "tokens over seconds; level 1 runs more, later turns, which draft better)",
     "latency": "per client, pooled over its turns: ITL percentiles over the gaps between its committed tokens "
                "(tokens of one pass share a time, so a drafted reply's p50 can be 0); ttft: submit to the first "
                "committed tokens of each turn (queue and the follow-up's prefill included)",

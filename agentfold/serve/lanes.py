@@ -65,8 +65,10 @@ class LaneStats:
     rows: int = 0
     seconds: float = 0.0
     by_lanes: dict[int, int] = field(default_factory=dict)  # passes by the number of replies in them
+    last_seconds: float = 0.0  # the latest pass (the prefill share of a round follows it)
 
     def record(self, lanes: int, rows: int, seconds: float) -> None:
+        self.last_seconds = seconds
         self.passes += 1
         self.lanes += lanes
         self.rows += rows

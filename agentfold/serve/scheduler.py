@@ -42,9 +42,12 @@ from agentfold.serve.turn_log import watch_prefill
 
 log = logging.getLogger(__name__)
 
-# How long a prefilling reply may run layer steps per round: about a third of a shared decode
-# pass here (SmolLM2-135M, 2 Xeon cores), so a decoding reply's inter-token gap grows by at most
-# that much per prefilling reply, while a 30-token message is prefilled in a round or two.
+# How long the prefilling replies of a round may run layer steps, together: as long as the round's
+# last shared decode pass took, and at least PREFILL_SLICE_S each. While anyone prefills, prefill
+# and decode get about half the machine each: a decoding reply's inter-token gap at most doubles,
+# and an agent's next turn (its last reply and a message, ~150 tokens) is back in the shared
+# passes in a few rounds instead of one layer or two per round (eight SmolLM2 sessions on two
+# Xeon cores: ~1 s to the first token with 20 ms slices, the session idle meanwhile).
 PREFILL_SLICE_S = 0.02
 
 __all__ = ["Event", "Hook", "Runtime", "RuntimeBusy", "RuntimeClosed", "Turn", "TurnCancelled", "TurnRequest"]
@@ -101,6 +104,7 @@ class Runtime:
         self._active: list[Turn] = []
         self._cond = threading.Condition()
         self._closing = False
+        self._prefilling = 0  # replies that ran prefill steps in the last round
         self._thread = threading.Thread(target=self._run, name="agentfold-runtime", daemon=True)
         self._thread.start()
         _register(self)
@@ -189,7 +193,10 @@ class Runtime:
                     turn.admitted_at = time.perf_counter()
                     self._active.append(turn)
                 batch = list(self._active)
-            ended = [turn for turn in batch if not self._prefill_or_ask(turn)]
+            share = max(PREFILL_SLICE_S, self.lanes.last_seconds / max(1, self._prefilling))
+            steps = [turn.prefill_passes for turn in batch]
+            ended = [turn for turn in batch if not self._prefill_or_ask(turn, share)]
+            self._prefilling = sum(turn.prefill_passes > before for turn, before in zip(batch, steps, strict=True))
             asking = [turn for turn in batch if turn._pending is not None]
             for group in plan_lanes([turn._pending for turn in asking], self.lane_width):
                 group = [asking[i] for i in group]
@@ -205,14 +212,14 @@ class Runtime:
 
     @property
     def lane_width(self) -> int:
-        """Rows one shared pass may hold: the width the self-check found row-exact, when it also
-        found rows of different sequences exact in one pass; 0 (every pass alone) otherwise."""
-        exactness = self.engine.exactness
-        return exactness.max_width if exactness.lanes and self.share_passes else 0
+        """Rows one shared pass may hold: the widest pass the self-check found exact with rows of
+        different sequences in it (each reply still verifies at most `max_width` rows); 0 (every
+        pass alone) where it found none or lanes are off."""
+        return self.engine.exactness.lane_width if self.share_passes else 0
 
-    def _prefill_or_ask(self, turn: Turn) -> bool:
+    def _prefill_or_ask(self, turn: Turn, share: float = PREFILL_SLICE_S) -> bool:
         """Advance `turn` to its next verify pass, or run its prefill's layer steps for up to
-        `PREFILL_SLICE_S` (at least one); False once the turn has ended. A long chunk's layer step
+        `share` seconds (at least one); False once the turn has ended. A long chunk's layer step
         takes the whole slice (other replies' passes run between its layers); a short chunk (a
         resumed turn's new message) is done in a round or two, not one round per layer."""
         began = time.perf_counter()
@@ -220,7 +227,7 @@ class Runtime:
             steps = turn.prefill_passes
             if not self._advance(turn):
                 return False
-            if (turn.prefill_passes == steps or time.perf_counter() - began >= PREFILL_SLICE_S
+            if (turn.prefill_passes == steps or time.perf_counter() - began >= share
                     or self._closing):  # a closing runtime ends turns between layer steps
                 return True
 

@@ -22,6 +22,7 @@ TOP_KEYS = {"schema", "timestamp", "duration_seconds", "quick", "machine", "vers
             "window_seconds", "levels_requested", "backend", "model", "exactness", "prompts", "warmup",
             "context_prefill_seconds", "levels", "lanes_off", "summary", "method"}
 LEVEL_KEYS = {"clients", "max_active", "window_seconds", "tokens_in_window", "aggregate_tps", "speedup_vs_1", "turns",
+              "solo_tps", "speedup_vs_solo",
               "completion_tokens", "drafted", "accepted", "tokens_per_pass", "itl_p50_ms_median", "itl_p99_ms",
               "itl_p99_ms_max", "ttft_ms_median", "equal_to_solo", "mismatches", "lane_stats", "runtime_counters",
               "loadavg", "per_client"}
@@ -76,6 +77,8 @@ def test_quick_run_every_reply_equals_its_solo_run(tmp_path):
     shared = levels[1]["lane_stats"]
     assert sum(count for replies, count in shared["by_replies"].items() if int(replies) > 1) > 0  # lanes ran
     assert levels[0]["speedup_vs_1"] == 1.0 and levels[1]["speedup_vs_1"] > 0
+    assert all(level["solo_tps"] > 0 and level["speedup_vs_solo"] > 0 for level in levels)
+    assert set(result["summary"]["speedup_vs_solo"]) == {"1", "2"}
     assert [c["sampled"] for c in levels[1]["per_client"]] == [False, True]  # the sampled client is checked too
     assert result["summary"]["all_equal"] and result["lanes_off"]["lanes_gain"] > 0
     assert result["lanes_off"]["lane_stats"]["replies_per_pass"] == 1.0  # lanes off: every pass alone

@@ -228,7 +228,7 @@ def test_models_health_and_head(api_server, client):  # noqa: F811
     raw = httpx.get(api_server.v1 + "/models").json()
     assert raw["models"][0]["slug"] == MODEL_ID and raw["models"][0]["context_window"] == 8192
     health = httpx.get(api_server.url + "/health").json()
-    assert health["status"] == "ok" and health["lanes"]["width"] == 16 and "stages" not in health
+    assert health["status"] == "ok" and health["lanes"]["width"] == 64 and "stages" not in health
     assert "lanes on" in health["exactness"]
     assert httpx.head(api_server.url + "/").status_code == 200
     assert httpx.get(api_server.v1 + "/models/claude-sonnet-4-5").json()["id"] == "claude-sonnet-4-5"

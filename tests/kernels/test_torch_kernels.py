@@ -16,15 +16,6 @@ from agentfold.kernels import torch_cpu
 WIDTHS = range(2, 17)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    """Run a test with 1 and with 2 OpenMP threads (a row's arithmetic must not depend on either)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def rows_match_single(fn, x: torch.Tensor, widths=WIDTHS) -> list[int]:
     """The widths at which some row of fn(x[:w]) differs from fn on that row alone."""
     single = [fn(x[i : i + 1].clone()) for i in range(x.shape[0])]
@@ -65,6 +56,14 @@ def test_block_rows_cuts_wide_passes():
     x = probe(3 * step + 1, 576)
     blocks = torch.cat([torch.mm(x[i : i + step], weight.t()) for i in range(0, x.shape[0], step)])
     assert torch.equal(torch_cpu.linear(x, weight), blocks)
+
+
+def test_rowwise_ops_in_row_blocks_up_to_a_shared_pass(threads):
+    """SmolLM2's MLP width over up to 64 rows (a shared lanes pass): elementwise exp runs in blocks
+    of rows that stay on one thread, and every row still has its one-row bits."""
+    x = probe(torch_cpu.PER_ROW_LIMIT, 1536, seed=5) * 3
+    for fn in (torch_cpu.silu, torch_cpu.sigmoid):
+        assert rows_match_single(fn, x, widths=[2, 21, 22, 43, 64]) == []
 
 
 @pytest.mark.parametrize("width", [4, 64, 576, 40000])

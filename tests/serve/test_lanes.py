@@ -88,7 +88,7 @@ def _side_by_side(engine) -> None:
     assert shared >= 3, lanes.summary()  # passes really held several replies
     assert lanes.rows > lanes.lanes, lanes.summary()  # ... and drafts among their rows
     assert sum(c.stats.drafted for c in together) > 0 and sum(c.stats.accepted for c in together) > 0
-    assert max(rows for turn in turns for _, rows in turn.lane_passes) <= engine.exactness.max_width
+    assert max(rows for turn in turns for _, rows in turn.lane_passes) <= engine.exactness.lane_width
     assert all(any(replies > 1 for replies, _ in turn.lane_passes) for turn in turns)
 
 
@@ -102,25 +102,28 @@ def test_replies_side_by_side_equal_their_solo_runs_mlx(smollm2_mlx_engine):
 
 
 class _CrossTalk:
-    """A backend whose shared passes leak one lane into another (as a kernel that mixed rows
-    would): the self-check must find it and the runtime must then run every pass alone."""
+    """A backend whose shared passes of more than `above` rows leak one lane into another (as a
+    kernel that mixed rows would): the self-check must find it and cap or turn off sharing."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, above: int = 0) -> None:
         self._backend = backend
+        self._above = above
 
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
     def forward_many(self, lanes):
         out = self._backend.forward_many(lanes)
-        out[-1] = out[-1] + np.float32(1e-3) * out[0][:1]
+        if sum(len(tokens) for tokens, _ in lanes) > self._above:
+            out[-1] = out[-1] + np.float32(1e-3) * out[0][:1]
         return out
 
 
 def test_inexact_lanes_are_found_and_not_shared(smollm2_engine):
-    crosstalk = _CrossTalk(smollm2_engine.backend)
-    report = check_row_exactness(crosstalk, max_width=4)
-    assert report.max_width == 4 and not report.lanes
+    report = check_row_exactness(_CrossTalk(smollm2_engine.backend), max_width=4, lane_width=12)
+    assert report.max_width == 4 and not report.lanes and report.lane_width == 0
     assert "lanes" not in report.describe()
-    honest = check_row_exactness(smollm2_engine.backend, max_width=4)
-    assert honest.lanes and "lanes on" in honest.describe()
+    capped = check_row_exactness(_CrossTalk(smollm2_engine.backend, above=8), max_width=4, lane_width=12)
+    assert capped.lane_width == 4, capped  # the wide shared pass leaked: shared passes keep to one reply's width
+    honest = check_row_exactness(smollm2_engine.backend, max_width=4, lane_width=12)
+    assert honest.lane_width == 12 and "12 rows across replies (lanes on)" in honest.describe()

@@ -203,15 +203,12 @@ class Attention(nn.Module):
         positions = lanes[0].positions if len(lanes) == 1 else torch.cat([lane.positions for lane in lanes])
         end = max(lane.start + lane.rows for lane in lanes)
         q, k = rope(q, positions, end), rope(k, positions, end)  # elementwise: all lanes in one call
-        outputs = []
         for lane in lanes:
             rows = slice(lane.begin, lane.begin + lane.rows)
             lane.cache.write(lane.start, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
-            keys, values = lane.cache.read(lane.start + lane.rows)
-            outputs.append(ops.attention(q[rows].transpose(0, 1).contiguous(), keys, values, lane.positions,
-                                         self.scale, self.window))
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-        return self.o_proj(out.transpose(0, 1).reshape(m, self.heads * d))
+        out = ops.lane_attention(q, [(lane.begin, lane.rows, lane.start, lane.cache.keys, lane.cache.values)
+                                     for lane in lanes], self.scale, self.window)
+        return self.o_proj(out.reshape(m, self.heads * d))
 
 
 class MLP(nn.Module):

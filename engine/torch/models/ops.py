@@ -11,11 +11,14 @@ of rows. Sliding-window attention (Gemma 3's local layers) is here until the ker
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from agentfold.kernels import int8_linear, torch_cpu
 from agentfold.kernels.int8_linear import Int8Weight
+from agentfold.kernels.torch_cpu import LaneKV
 
 WINDOW_BLOCK = 32  # query rows per windowed prefill block (see `windowed_attention`)
 
@@ -72,6 +75,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
     return torch_cpu.attention(q, k, v, q_positions, scale)
 
 
+def lane_attention(q: torch.Tensor, lanes: Sequence[LaneKV], scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal attention of a pass's rows, lane by lane: q [m, heads, d] holds each lane's rows in
+    turn; lane (begin, rows, start, keys, values) has rows begin..begin+rows at positions start..
+    over its own cache's keys / values [kv_heads, capacity, d]. -> [m, heads, d]. On CPU decode and
+    verify passes run every lane in one row-exact C call; otherwise `attention` per lane."""
+    if not q.is_cuda:
+        out = torch_cpu.lane_attention(q, lanes, scale, window)
+        if out is not None:
+            return out
+    outputs = []
+    for begin, rows, start, keys, values in lanes:
+        positions = torch.arange(start, start + rows, device=q.device)
+        outputs.append(attention(q[begin : begin + rows].transpose(0, 1).contiguous(), keys[:, : start + rows],
+                                 values[:, : start + rows], positions, scale, window))
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)).transpose(0, 1)
+
+
 def describe(device: torch.device) -> dict[str, str]:
     """Which kernels run on `device` (part of a snapshot key: another kernel gives other bytes)."""
     if device.type == "cuda":
@@ -79,7 +99,8 @@ def describe(device: torch.device) -> dict[str, str]:
 
         return {"kernels": "triton_ops", "version": str(getattr(_triton(), "VERSION", "1")),
                 "triton": triton.__version__, "gpu": torch.cuda.get_device_name(device)}
-    return {"kernels": "torch_cpu", "version": str(torch_cpu.VERSION), "isa": torch.backends.cpu.get_cpu_capability()}
+    return {"kernels": "torch_cpu", "version": str(torch_cpu.VERSION), "isa": torch.backends.cpu.get_cpu_capability(),
+            "attention": torch_cpu.attention_kernel()}
 
 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
