@@ -204,15 +204,15 @@ def lane_attention(q: torch.Tensor, lanes: Sequence[LaneKV], scale: float, windo
     lane) -> [m, heads, d]; a lane's row at position p sees its own cache's keys 0..p (with a
     `window`, the last `window` of them). Row-exact by construction (csrc/lane_attention.c), and a
     lane's keys and values are read once for all of its rows. None where it does not apply (a
-    prefill chunk, a pass wider than PER_ROW_LIMIT, other dtypes, no compiler): the caller runs
-    `attention` per lane."""
+    prefill chunk, a pass wider than PER_ROW_LIMIT, a model in another dtype than float32, no
+    compiler): the caller runs `attention` per lane."""
     m, heads, d = q.shape
     lib = lane_library()
     if lib is None or m > PER_ROW_LIMIT or getattr(_PREFILL, "on", False) or q.dtype != torch.float32:
-        return None
-    if any(keys.dtype != torch.float32 or not keys.is_contiguous() or not values.is_contiguous()
-           for _, _, _, keys, values in lanes):
-        return None
+        return None  # decided by the model and the pass alone: a reply's rows never change kernels
+    lanes = [(begin, rows, start, keys.contiguous(), values.contiguous()) for begin, rows, start, keys, values in lanes]
+    if any(keys.dtype != torch.float32 or values.dtype != torch.float32 for _, _, _, keys, values in lanes):
+        raise ValueError("float32 queries over a cache of another dtype")
     q = q.contiguous()
     out = torch.empty_like(q)
     count = len(lanes)

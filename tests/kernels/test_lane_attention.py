@@ -102,3 +102,12 @@ def test_without_the_library_each_lane_runs_torch_attention(monkeypatch):
 def test_the_library_builds_where_a_compiler_is(tmp_path):
     assert native.compiler() is not None
     assert native.build("lane_attention", ["-fopenmp"], folder=tmp_path) is not None
+
+
+def test_a_strided_cache_gives_the_same_bits():
+    """The kernel is chosen by the model and the pass, never by a cache's memory layout."""
+    q, lanes = _pass(4, 2, 32, [(40, 3), (7, 2)], seed=4)
+    strided = [(b, r, s, torch.cat([k, k], dim=2)[:, :, :32], torch.cat([v, v], dim=2)[:, :, :32])
+               for b, r, s, k, v in lanes]
+    assert not strided[0][3].is_contiguous()
+    assert torch.equal(torch_cpu.lane_attention(q, strided, 0.125, None), torch_cpu.lane_attention(q, lanes, 0.125, None))
