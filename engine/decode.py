@@ -432,11 +432,11 @@ class _Reply:
     detok: Detokenizer
     drafter: Drafter | None
     constraint: GrammarConstraint | None
+    odds: DraftOdds  # its drafts' acceptance, from `DepthController.start` (replies differ)
     emitted: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per emitted token, when the config asks
     finish: str | None = None
     sent: int = 0  # characters of detok.text already streamed
-    odds: DraftOdds = field(default_factory=lambda: DraftOdds(0.6))  # its drafts' acceptance (`DepthController.start`)
 
     def commit(self, committed: list[int], now: float, config: GenerationConfig, eos: set[int],
                stats: DecodeStats) -> int:

@@ -113,10 +113,10 @@ def _lanes_exact(backend: Backend, cache: CacheState, base: Checkpoint, serial: 
     first = min(lane_rows, max(1, width // 3))
     lanes, expected, marks = [(rows[:first], cache)], [serial[:first]], []
     left, shift = width - first, 0
+    span = len(tokens) - lane_rows - 1  # the probe's prompt and then some: enough to vary lengths
     while left > 0:
         count, shift = min(lane_rows, left), shift + 1
         other = backend.new_cache()
-        span = len(tokens) - lane_rows - 1  # the probe's prompt and then some: enough to vary lengths
         backend.prefill(tokens[1 + shift % 4 : span - 2 * (shift % 5)], other)  # other tokens, another length
         mark = backend.checkpoint(other)
         other_rows = [rows[(j * (shift + 1) + shift) % len(rows)] for j in range(count)]

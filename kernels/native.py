@@ -74,7 +74,8 @@ def build(name: str, extra: Sequence[str] = (), folder: Path | None = None) -> P
     return target
 
 
-def load(name: str, signatures: dict[str, list | tuple[list, Any]], variants: Sequence[Sequence[str]] = ((),)) -> ctypes.CDLL | None:
+def load(name: str, signatures: dict[str, list | tuple[list, Any]],
+         variants: Sequence[Sequence[str]] = ((),)) -> ctypes.CDLL | None:
     """csrc/`name`.c loaded (built on first use with the first of `variants`' extra flags that
     compiles), its functions typed by `signatures` (name -> argtypes, for functions that return
     nothing, or (argtypes, restype)); None

@@ -6,9 +6,11 @@ switches kernels. `linear` finds that limit once per weight shape by comparing r
 probe, and cuts wider passes into blocks of at most that many rows: exact at any width, and a
 block still reads the weights once for all of its rows.
 
-Attention: each query row of a small pass attends on its own, through the very call a one-row
-step makes (same shapes, same keys 0..position). Wider passes are prefill chunks, computed in
-batched blocks of query rows: those follow the prefill plan, the same for fresh and resumed prompts.
+Attention: decode and verify passes (up to PER_ROW_LIMIT rows) run every lane of a layer in one
+C call, `lane_attention` (csrc/lane_attention.c: each query row in a fixed order of its own);
+without a compiler each query row attends on its own through the very call a one-row step makes
+(same shapes, same keys 0..position). Wider passes are prefill chunks, computed in batched blocks
+of query rows: those follow the prefill plan, the same for fresh and resumed prompts.
 
 Row-wise ops (norms, softmax, SiLU): `rows_alike` says when torch's own kernel already gives
 every row a one-row call's arithmetic (reductions over rows shorter than a thread's grain; exp on

@@ -208,7 +208,8 @@ def context_cache(engine: Any, prompt: Sequence[int]) -> tuple[dict[str, Any], l
 
 def run_session(runtime: Any, engine: Any, client: dict[str, Any], cache: Any, max_tokens: int, seed: int,
                 deadline: float | None, turns: int | None) -> list[tuple[Any, Any]]:
-    """One agent's closed loop: a turn, then the next (reply and follow-up appended, cache kept) until `deadline`."""
+    """One agent's closed loop: a turn, then the next (reply and follow-up appended, cache kept) until
+    `deadline` passes or `turns` are done."""
     from agentfold.engine.decode import first_mismatch
     from agentfold.serve.scheduler import TurnRequest
 
@@ -429,9 +430,9 @@ def bench_lanes(model: str | None = None, out: str | Path | None = "bench-result
         result["duration_seconds"] = round(time.perf_counter() - started, 3)
     s = result["summary"]
     say(f"lanes: done in {result['duration_seconds']:.0f}s: aggregate tok/s {s['aggregate_tps']}, speedup vs 1 "
-        f"{s['speedup_vs_1']}, vs the same turns one at a time {s['speedup_vs_solo']}; " + ("every turn equal to its solo run" if s["all_equal"] else
-                                    f"{s['equal_to_solo']['checked'] - s['equal_to_solo']['equal']} TURNS DIFFER "
-                                    "from their solo runs"))
+        f"{s['speedup_vs_1']}, vs the same turns one at a time {s['speedup_vs_solo']}; "
+        + ("every turn equal to its solo run" if s["all_equal"] else
+           f"{s['equal_to_solo']['checked'] - s['equal_to_solo']['equal']} TURNS DIFFER from their solo runs"))
     return result
 
 
@@ -446,9 +447,8 @@ def _level_rows(clients: Sequence[dict[str, Any]], chosen: Sequence[int], runs: 
             say(f"lanes: MISMATCH at {row['clients']} clients: client {miss['index']} {miss['name']} turn "
                 f"{miss['turn']} differs from its solo run at token {miss['first_mismatch']}")
         say(f"lanes: {row['clients']} clients: {row['tokens_in_window']} tokens in {row['window_seconds']:g}s = "
-            f"{row['aggregate_tps']} tok/s ({row['speedup_vs_1']}x one client, {row['speedup_vs_solo']}x the same turns "
-            f"one at a time), {row['tokens_per_pass']} tok/pass, "
-            f"ITL p99 max {row['itl_p99_ms_max']} ms, equal to solo {row['equal_to_solo']['equal']}/"
+            f"{row['aggregate_tps']} tok/s ({row['speedup_vs_1']}x one client, {row['speedup_vs_solo']}x the same "
+            f"turns one at a time), {row['tokens_per_pass']} tok/pass, ITL p99 max {row['itl_p99_ms_max']} ms, equal to solo {row['equal_to_solo']['equal']}/"
             f"{row['equal_to_solo']['checked']} turns")
     return rows
 

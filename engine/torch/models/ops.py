@@ -6,7 +6,8 @@ torch's matmul, norm or attention directly: on CUDA they go to the batch-invaria
 kernels (`kernels.torch_cpu`). SiLU, GELU, sigmoid and softmax are here too, because torch's CPU
 vector loop and its scalar tail compute exp and tanh differently. Everything else a model does (add,
 multiply, gathers, casts, top-k) is exact IEEE arithmetic per element: the same bits for any number
-of rows. Sliding-window attention (Gemma 3's local layers) is here until the kernels take a window.
+of rows. Sliding-window attention (Gemma 3's local layers) is here for the prefill chunks and for
+CUDA; CPU decode and verify rows take the window in the lane attention kernel.
 """
 
 from __future__ import annotations
