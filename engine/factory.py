@@ -14,6 +14,7 @@ from agentfold.engine.mlx.loader import LoadedModel, load_model
 from agentfold.engine.selfcheck import check_row_exactness
 
 if TYPE_CHECKING:  # imports torch
+    from agentfold.engine.mlx.stages import MLXStageOptions
     from agentfold.engine.torch.stages import StageOptions
 
 DRAFTERS = ("suffix", "draft-model", "none")
@@ -55,7 +56,7 @@ def build_engine(
     device: str = "auto",
     quant: str = "auto",
     verdicts: Path | None = None,
-    stages: StageOptions | None = None,
+    stages: StageOptions | MLXStageOptions | None = None,
 ) -> Engine:
     """An engine whose drafted replies are byte-identical to its serial ones.
 
@@ -66,20 +67,26 @@ def build_engine(
     default wherever it runs), none keeps float weights (row-exact only as far as the BLAS happens
     to be). `dtype` None: float32, except bfloat16 for torch on CUDA. The self-check caps verify
     passes at the widest row-exact width (drafting off if none). `stages`: a
-    `torch.stages.StageOptions` to split the model by layers over processes (torch only).
+    `torch.stages.StageOptions` or `mlx.stages.MLXStageOptions` to split the model by layers over
+    processes (on that backend).
     """
     say = progress or (lambda message: None)
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(QUANTS)}, not {quant!r}")
-    if stages is not None:  # pipeline stages (engine.torch.stages): torch only
-        if backend not in ("auto", "torch"):
-            raise ValueError("--stages runs on the torch backend only (MLX's mlx.core.distributed is not wired here)")
-        backend = "torch"
+    if stages is not None:  # pipeline stages (engine.torch.stages, engine.mlx.stages): the options' backend
+        wanted = getattr(stages, "backend", "torch")
+        if backend not in ("auto", wanted):
+            raise ValueError(f"these --stages options are for the {wanted} backend, not {backend}")
+        backend = wanted
     if backend == "auto":
         return _build_auto(model, dtype, drafter, draft_model, max_width, self_check, say, device, quant, verdicts)
     load, backend_class = _loader(backend, dtype, device, say)
     loaded = load(model)
-    if stages is not None:
+    if stages is not None and backend == "mlx":
+        from agentfold.engine.mlx.stages import MLXStagedBackend
+
+        target = MLXStagedBackend(loaded, quant=quant, options=stages, progress=say)
+    elif stages is not None:
         from agentfold.engine.torch.stages import StagedBackend
 
         target = StagedBackend(loaded, quant=quant, options=stages, progress=say)

@@ -261,7 +261,10 @@ def run_worker(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker_main() -> int:
-    print(json.dumps(worker(json.load(sys.stdin))), flush=True)
+    from agentfold import prepare_process
+
+    blas = prepare_process()  # the BLAS `agentfold serve` loads, before the worker imports mlx.core
+    print(json.dumps({**worker(json.load(sys.stdin)), "blas": blas.describe()}), flush=True)
     return 0
 
 

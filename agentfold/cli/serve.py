@@ -25,7 +25,7 @@ from agentfold.cli.args import (
     progress,
 )
 from agentfold.cli.env import apply_env_defaults, check_env
-from agentfold.cli.stage import add_stage_args, check_stage_args, stage_options
+from agentfold.cli.stage import add_stage_args, check_stage_args, launched_rank, run_launched, stage_options
 from agentfold.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
@@ -202,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
 
     from agentfold.cli.loading import LoadingApp, SwitchingApp
 
+    if launched_rank(args) >= 1:  # `mlx.launch` started this process as a pipeline stage
+        return run_launched(args)
     check_limits(args)
     sock = bind(args.host, args.port)
     try:

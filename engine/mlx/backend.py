@@ -149,18 +149,12 @@ class MLXBackend:
                     raise CacheLayoutError(f"layer {i}: batched recurrent state is not supported")
                 present = [j for j, a in enumerate(layer.cache) if a is not None]
                 spec: dict[str, Any] = {"kind": "arrays", "size": len(layer.cache), "present": present}
-                parts = {j: layer.cache[j] for j in present}
+                for j in present:
+                    _put(arrays, spec, i, j, layer.cache[j])
             elif type(layer) is KVCache:
-                n = layer.offset if layer.keys is not None else 0
-                spec = {"kind": "kv", "offset": n}
-                parts = {"keys": layer.keys[..., :n, :], "values": layer.values[..., :n, :]} if n else {}
+                spec = kv_to_arrays(arrays, i, layer, layer.offset if layer.keys is not None else 0)
             else:
                 raise CacheLayoutError(f"layer {i}: {type(layer).__name__} caches cannot be snapshotted")
-            for part, array in parts.items():
-                if array.dtype == mx.bfloat16:
-                    mark_bits(spec, part, "bfloat16")
-                    array = array.view(mx.uint16)
-                arrays[array_name(i, part)] = np.array(array)
             layout.append(spec)
         return arrays, layout
 
@@ -172,22 +166,14 @@ class MLXBackend:
         if len(cache.layers) != len(layout):
             raise CacheLayoutError(f"the snapshot has {len(layout)} layers, the model {len(cache.layers)}")
 
-        def load(i: int, spec: dict[str, Any], part: str | int) -> mx.array:
-            found = arrays.get(array_name(i, part))
-            if found is None:
-                raise CacheLayoutError(f"layer {i}: the snapshot has no {array_name(i, part)!r} array")
-            return mx.array(found).view(mx.bfloat16) if bits_dtype(spec, part, found) else mx.array(found)
-
         for i, (layer, spec) in enumerate(zip(cache.layers, layout, strict=True)):
             if spec.get("kind") == "arrays" and isinstance(layer, ArraysCache):
                 state = [None] * spec["size"]
                 for j in spec["present"]:
-                    state[j] = load(i, spec, j)
+                    state[j] = _get(arrays, spec, i, j)
                 layer.cache, layer.left_padding, layer.lengths = state, None, None
             elif spec.get("kind") == "kv" and type(layer) is KVCache:
-                if spec["offset"]:
-                    layer.keys, layer.values = load(i, spec, "keys"), load(i, spec, "values")
-                    layer.offset = spec["offset"]
+                kv_from_arrays(arrays, i, spec, layer)
             else:
                 raise CacheLayoutError(f"layer {i}: snapshot holds {spec.get('kind')}, "
                                        f"the model {type(layer).__name__}")
@@ -206,6 +192,37 @@ class MLXBackend:
         linear = f"mlx_int8/{mlx_int8.VERSION}" if self.quant == "int8" else "float"
         return {"backend": self.name, "attention": [kernels, attention.PER_ROW_LIMIT], "linear": linear,
                 "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
+
+
+def kv_to_arrays(arrays: dict[str, np.ndarray], i: int, layer: KVCache, length: int) -> dict[str, Any]:
+    """Layer `i`'s keys and values of its first `length` positions into `arrays` (numpy copies,
+    bfloat16 as bits); its layout entry."""
+    spec: dict[str, Any] = {"kind": "kv", "offset": length}
+    if length:
+        _put(arrays, spec, i, "keys", layer.keys[..., :length, :])
+        _put(arrays, spec, i, "values", layer.values[..., :length, :])
+    return spec
+
+
+def kv_from_arrays(arrays: Mapping[str, np.ndarray], i: int, spec: dict[str, Any], layer: KVCache) -> None:
+    """Layer `i`'s snapshot keys and values into an empty `layer` (copied into MLX)."""
+    if spec["offset"]:
+        layer.keys, layer.values = _get(arrays, spec, i, "keys"), _get(arrays, spec, i, "values")
+        layer.offset = spec["offset"]
+
+
+def _put(arrays: dict[str, np.ndarray], spec: dict[str, Any], i: int, part: str | int, array: mx.array) -> None:
+    if array.dtype == mx.bfloat16:
+        mark_bits(spec, part, "bfloat16")
+        array = array.view(mx.uint16)
+    arrays[array_name(i, part)] = np.array(array)
+
+
+def _get(arrays: Mapping[str, np.ndarray], spec: dict[str, Any], i: int, part: str | int) -> mx.array:
+    found = arrays.get(array_name(i, part))
+    if found is None:
+        raise CacheLayoutError(f"layer {i}: the snapshot has no {array_name(i, part)!r} array")
+    return mx.array(found).view(mx.bfloat16) if bits_dtype(spec, part, found) else mx.array(found)
 
 
 QUANT_MODES = ("int8", "none")

@@ -58,34 +58,62 @@ def plain_kv(layers: Sequence[Any]) -> bool:
 def forward_lanes(model: nn.Module, lanes: Sequence[tuple[Sequence[int], list[Any]]]) -> list[mx.array]:
     """Logits [rows_i, vocab] (lazy, the model's dtype) of each lane (tokens, per-layer caches),
     appending each lane's rows to its caches. `supports(model)` and `plain_kv` must hold."""
+    h, starts = embed_lanes(model, [tokens for tokens, _ in lanes])
+    h = run_layers(model, h, starts, [caches for _, caches in lanes], range(len(model.model.layers)))
+    return head_lanes(model, h, starts)
+
+
+# The three pieces of a pass, apart so that pipeline stages (`engine.mlx.stages`) run a range of
+# layers each on the very code one process runs: embedding, decoder layers, norm and head.
+
+
+def embed_lanes(model: nn.Module, tokens: Sequence[Sequence[int]]) -> tuple[mx.array, list[int]]:
+    """The embedded rows of all lanes, concatenated ([1, M, D]), and where each lane's rows start."""
+    starts = list(accumulate((len(t) for t in tokens), initial=0))  # lane i's rows: starts[i]:starts[i + 1]
+    ids = mx.array([[int(t) for lane in tokens for t in lane]], dtype=mx.int32)
+    return model.model.embed_tokens(ids), starts
+
+
+def run_layers(model: nn.Module, h: mx.array, starts: list[int], caches: Sequence[list[Any]],
+               layers: range) -> mx.array:
+    """Decoder layers `layers` over the lanes' rows `h` (lazy), each lane attending to its own caches.
+    The masks are the module's for each lane alone, from the lane's first full-attention (and first
+    sliding) layer in `layers`: every layer's cache of a lane holds the same length."""
     module = sys.modules[type(model).__module__]
     inner = model.model
-    sizes = [len(tokens) for tokens, _ in lanes]
-    starts = list(accumulate(sizes, initial=0))  # lane i's rows: starts[i]:starts[i + 1]
-    ids = mx.array([[int(t) for tokens, _ in lanes for t in tokens]], dtype=mx.int32)
-    h = inner.embed_tokens(ids)  # [1, M, D]
-    masks = [_lane_masks(module, inner, h[:, starts[i] : starts[i + 1]], caches) for i, (_, caches) in enumerate(lanes)]
-    for index, layer in enumerate(inner.layers):
+    first: dict[bool, int] = {}
+    for index in layers:
+        first.setdefault(bool(getattr(inner.layers[index], "use_sliding", False)), index)
+    masks = [_lane_masks(module, inner, h[:, starts[i] : starts[i + 1]], lane, first) for i, lane in enumerate(caches)]
+    for index in layers:
+        layer = inner.layers[index]
         sliding = bool(getattr(layer, "use_sliding", False))
-        lane_caches = [(caches[index], masks[i][sliding]) for i, (_, caches) in enumerate(lanes)]
+        lane_caches = [(lane[index], masks[i][sliding]) for i, lane in enumerate(caches)]
         r = _attention(module, layer.self_attn, layer.input_layernorm(h), starts, lane_caches)
         h = h + r
         r = layer.mlp(layer.post_attention_layernorm(h))
         h = h + r
+    return h
+
+
+def head_lanes(model: nn.Module, h: mx.array, starts: list[int]) -> list[mx.array]:
+    """The final norm and output head over all rows, cut into each lane's logits (lazy)."""
+    inner = model.model
     out = inner.norm(h)
     out = inner.embed_tokens.as_linear(out) if model.args.tie_word_embeddings else model.lm_head(out)
-    return [out[0, starts[i] : starts[i + 1]] for i in range(len(lanes))]
+    return [out[0, starts[i] : starts[i + 1]] for i in range(len(starts) - 1)]
 
 
-def _lane_masks(module: Any, inner: nn.Module, h: mx.array, caches: list[Any]) -> dict[bool, Any]:
+def _lane_masks(module: Any, inner: nn.Module, h: mx.array, caches: list[Any], first: dict[bool, int]) -> dict[bool, Any]:
     """The mask arguments the module computes for a lane's pass alone, before any layer runs:
     full attention (the cache of the first full-attention layer) and, for llama's sliding layers,
     the windowed one."""
     create = module.create_attention_mask
-    masks = {False: create(h, caches[getattr(inner, "fa_idx", 0)])}
-    swa = getattr(inner, "swa_idx", None)
-    if swa is not None:
-        masks[True] = create(h, caches[swa], window_size=inner.sliding_window)
+    masks = {}
+    if False in first:
+        masks[False] = create(h, caches[first[False]])
+    if True in first:
+        masks[True] = create(h, caches[first[True]], window_size=inner.sliding_window)
     return masks
 
 

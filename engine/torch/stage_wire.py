@@ -19,28 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agentfold.engine.stage_common import StageError, StageSetupError, parse_master
+
+__all__ = ["CONNECT_TIMEOUT_S", "IDLE_TIMEOUT", "REPLY_TIMEOUT", "TRANSPORTS", "StageError", "StageSetupError", "Wire",
+           "connect", "parse_master"]
+
 TRANSPORTS = ("gloo", "nccl")
 CONNECT_TIMEOUT_S = 600.0  # every rank loads the model before it connects: allow for a slow load
 REPLY_TIMEOUT = timedelta(hours=2)  # one exchange (a long prefill chunk on a slow stage)
 IDLE_TIMEOUT = timedelta(days=3650)  # how long a stage waits for rank 0's next command
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class StageError(RuntimeError):
-    """A stage failed or went away during a pass (the engine cannot go on without its layers)."""
-
-
-class StageSetupError(ValueError):
-    """The stages cannot form a pipeline (a peer that never connects, another model): one readable line."""
-
-
-def parse_master(master: str) -> tuple[str, int]:
-    """`HOST:PORT` (an IPv6 host in brackets) as (host, port)."""
-    host, sep, port = master.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise StageSetupError(f"the stage master address must be HOST:PORT (e.g. 127.0.0.1:29500), not {master!r}")
-    return host, int(port)
 
 
 def _is_loopback(host: str) -> bool:

@@ -11,21 +11,16 @@ and the stage goes on; the loop ends on `shutdown` or when rank 0's connection c
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors
-import safetensors.numpy
 import torch
 
-from agentfold.engine.cache_layout import CacheLayoutError
 from agentfold.engine.mlx.loader import LoadedModel
+from agentfold.engine.stage_common import StageCommands, arrays_digest, check_rank
 from agentfold.engine.torch.backend import kv_from_arrays, kv_to_arrays
 from agentfold.engine.torch.models.cache import LayerCache
 from agentfold.engine.torch.models.llama import SequencePass
@@ -33,23 +28,14 @@ from agentfold.engine.torch.stage_wire import CONNECT_TIMEOUT_S, IDLE_TIMEOUT, S
 from agentfold.engine.torch.stages import fingerprint, split_layers, stage_backend
 from agentfold.kernels import torch_cpu
 
-
-def arrays_digest(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> str:
-    """sha256 over a stage file's metadata and arrays (names, dtypes, shapes and bytes)."""
-    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(arrays):
-        array = np.ascontiguousarray(arrays[name])
-        digest.update(f"{name}:{array.dtype.str}:{list(array.shape)}".encode())
-        digest.update(array.tobytes())
-    return digest.hexdigest()
+__all__ = ["StageWorker", "arrays_digest", "run_stage", "serve_commands"]
 
 
-class StageWorker:
-    """This rank's layers of the model and the KV caches rank 0 named, by id."""
+class StageWorker(StageCommands):
+    """This rank's layers of the model and the KV caches rank 0 named, by id (`StageCommands`)."""
 
     def __init__(self, loaded: LoadedModel, quant: str, rank: int, world: int, stage_dir: str | Path) -> None:
-        if not 1 <= rank < world:
-            raise StageSetupError(f"--rank must be in 1..{world - 1} for --stages {world} (rank 0 is `agentfold serve`)")
+        check_rank(rank, world)
         self.rank, self.world = rank, world
         self.fingerprint = fingerprint(loaded)
         self.plan = split_layers(len(loaded.model.model.layers), world)
@@ -57,48 +43,11 @@ class StageWorker:
         self.last = rank == world - 1
         self.backend = stage_backend(loaded, quant, self.plan, rank)
         self.model, self.device = self.backend.model, self.backend.device
-        self.stage_dir = Path(stage_dir).expanduser()
-        self.stage_dir.mkdir(parents=True, exist_ok=True)
-        self.caches: dict[int, list[LayerCache]] = {}
-
-    def handle(self, header: dict[str, Any], tensor: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor | None]:
-        for cache_id in header.get("free", ()):
-            self.caches.pop(int(cache_id), None)
-        op = header.get("op")
-        if op == "pass":
-            return self.run_pass(header, tensor)
-        if op == "save":
-            return self.save(header), None
-        if op == "load":
-            return self.load(header), None
-        if op == "hello":
-            return self.hello(header), None
-        if op == "shutdown":
-            return {"ok": True}, None
-        raise ValueError(f"unknown command {op!r}")
-
-    def hello(self, header: dict[str, Any]) -> dict[str, Any]:
-        mine = {"world": self.world, "plan": [[r.start, r.stop] for r in self.plan], "fingerprint": self.fingerprint,
-                "quant": self.backend.quant, "dtype": str(self.backend.loaded.dtype)}
-        for key, value in mine.items():
-            if header.get(key) != value:
-                what = "model (config or weights)" if key == "fingerprint" else key
-                raise StageSetupError(f"rank {self.rank} has another {what} than rank 0: {value} here, "
-                                      f"{header.get(key)} there (start every rank with the same --model, --stages, "
-                                      "--dtype and --quant)")
-        return {"describe": self.backend.describe(), "layers": [self.own.start, self.own.stop]}
+        self.quant, self.dtype = self.backend.quant, str(self.backend.loaded.dtype)
+        self.open_stage_dir(stage_dir)
 
     def run_pass(self, header: dict[str, Any], h: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor | None]:
-        if h is None:
-            raise ValueError("a pass without hidden states")
-        passes = []
-        for cache_id, start, rows in header["passes"]:
-            caches = self.caches.get(cache_id)
-            if caches is None:
-                if start:
-                    raise ValueError(f"cache {cache_id} is not on stage {self.rank} (was it restarted?)")
-                caches = self.caches[cache_id] = self.model.make_cache()
-            passes.append(SequencePass(caches, int(start), int(rows)))
+        passes = [SequencePass(*named) for named in self.named_caches(header, h, self.model.make_cache)]
         prefill = bool(header.get("prefill"))
         began, final = time.perf_counter(), []
         with torch.inference_mode(), torch_cpu.prefill_chunk() if prefill else contextlib.nullcontext():
@@ -111,57 +60,16 @@ class StageWorker:
             torch.cuda.synchronize(self.device)
         return {"seconds": time.perf_counter() - began}, out
 
-    def _file(self, sha: str) -> Path:
-        if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
-            raise CacheLayoutError(f"stage {self.rank}: {sha!r} is not a sha256")
-        return self.stage_dir / f"{sha}.safetensors"
+    def layer_arrays(self, caches: list[LayerCache], length: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        arrays: dict[str, np.ndarray] = {}
+        specs = {str(i): kv_to_arrays(arrays, i, caches[i], length) for i in self.own}
+        return arrays, specs
 
-    def save(self, header: dict[str, Any]) -> dict[str, Any]:
-        """Write this stage's layers of one cache (its first `length` rows) to `<sha>.safetensors`."""
-        caches = self.caches.get(header["cache"])
-        if caches is None:
-            raise ValueError(f"cache {header['cache']} is not on stage {self.rank}")
-        n = int(header["length"])
-        arrays, specs = {}, {}
-        for i in self.own:
-            specs[str(i)] = kv_to_arrays(arrays, i, caches[i], n)
-        meta = {"tokens": header["tokens"], "length": n, "layers": [self.own.start, self.own.stop], "specs": specs}
-        sha = arrays_digest(arrays, meta)
-        path = self._file(sha)
-        if not path.exists():
-            temp = path.with_name(f".{sha}.{os.getpid()}.tmp.safetensors")
-            try:
-                with open(temp, "wb") as handle:
-                    handle.write(safetensors.numpy.save(arrays, metadata={"meta": json.dumps(meta)}))
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(temp, path)
-            finally:
-                temp.unlink(missing_ok=True)
-        return {"sha": sha, "bytes": path.stat().st_size}
-
-    def load(self, header: dict[str, Any]) -> dict[str, Any]:
-        """Put `<sha>.safetensors` into a new cache under the id rank 0 named (checked first)."""
-        sha, n = str(header["sha"]), int(header["length"])
-        path = self._file(sha)
-        try:
-            with safetensors.safe_open(path, framework="numpy") as data:
-                arrays = {name: data.get_tensor(name) for name in data.keys()}  # noqa: SIM118 (not a dict)
-                meta = json.loads((data.metadata() or {})["meta"])
-        except FileNotFoundError:
-            raise CacheLayoutError(f"stage {self.rank}: no {path.name} in {self.stage_dir}") from None
-        except (OSError, ValueError, KeyError, safetensors.SafetensorError) as error:
-            raise CacheLayoutError(f"stage {self.rank}: {path.name} is unreadable ({error})") from None
-        if arrays_digest(arrays, meta) != sha:
-            raise CacheLayoutError(f"stage {self.rank}: {path.name} does not match its checksum")
-        wanted = {"tokens": header["tokens"], "length": n, "layers": [self.own.start, self.own.stop]}
-        if any(meta.get(k) != v for k, v in wanted.items()):
-            raise CacheLayoutError(f"stage {self.rank}: {path.name} holds other tokens or layers")
+    def caches_from(self, arrays: Mapping[str, np.ndarray], specs: Mapping[str, Any], length: int) -> list[LayerCache]:
         caches = self.model.make_cache()
         for i in self.own:
-            kv_from_arrays(arrays, i, meta["specs"][str(i)], caches[i], n)
-        self.caches[int(header["cache"])] = caches
-        return {"ok": True}
+            kv_from_arrays(arrays, i, specs[str(i)], caches[i], length)
+        return caches
 
 
 def serve_commands(worker: StageWorker, wire: Wire) -> str:
@@ -171,16 +79,7 @@ def serve_commands(worker: StageWorker, wire: Wire) -> str:
             header, tensor, _ = wire.recv(0, IDLE_TIMEOUT)
         except (RuntimeError, ValueError):  # closed connection (or a message that is not ours)
             return "rank 0 went away"
-        reply: dict[str, Any]
-        out = None
-        try:
-            reply, out = worker.handle(header, tensor)
-        except CacheLayoutError as error:
-            reply = {"error": str(error), "layout": True}
-        except StageSetupError as error:
-            reply = {"error": str(error)}
-        except Exception as error:  # noqa: BLE001  (answered to rank 0, which raises it; this stage goes on)
-            reply = {"error": f"{type(error).__name__}: {error}"}
+        reply, out = worker.answer(header, tensor)
         try:
             wire.send(0, reply, out)
         except RuntimeError:

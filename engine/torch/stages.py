@@ -46,15 +46,29 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from agentfold.engine.cache_layout import CacheLayoutError, array_name, tokens_array
+from agentfold.engine.cache_layout import tokens_array
 from agentfold.engine.mlx.loader import LoadedModel
 from agentfold.engine.protocol import CacheState, Lane, split_lanes
+from agentfold.engine.stage_common import (
+    StageLayers,
+    cache_id_of,
+    check_stage_layout,
+    close_at_exit,
+    first_line,
+    new_stats,
+    put_stage_sha,
+    raise_reply,
+    split_layers,
+    stage_layout,
+    stage_sha,
+    tokens_digest,
+)
 from agentfold.engine.torch.backend import TorchBackend, kv_from_arrays, kv_to_arrays
 from agentfold.engine.torch.models.llama import SequencePass
 from agentfold.engine.torch.stage_wire import (
@@ -74,25 +88,11 @@ __all__ = ["CONNECT_TIMEOUT_S", "IDLE_TIMEOUT", "TRANSPORTS", "StageError", "Sta
            "StagedBackend", "Wire", "connect", "parse_master", "split_layers"]
 
 
-def split_layers(num_layers: int, stages: int) -> list[range]:
-    """Layers per stage, split evenly (the first stages take one more when it does not divide)."""
-    if stages < 1:
-        raise StageSetupError(f"--stages must be >= 1, not {stages}")
-    if stages > num_layers:
-        raise StageSetupError(f"--stages {stages}: the model has only {num_layers} layers (a stage needs at least one)")
-    base, extra = divmod(num_layers, stages)
-    plan, begin = [], 0
-    for stage in range(stages):
-        end = begin + base + (1 if stage < extra else 0)
-        plan.append(range(begin, end))
-        begin = end
-    return plan
-
-
 @dataclass(frozen=True)
 class StageOptions:
     """How rank 0 reaches its stages: their count, the address it listens on, the transport."""
 
+    backend: ClassVar[str] = "torch"
     stages: int
     master: str = "127.0.0.1:29500"
     transport: str = "gloo"
@@ -145,27 +145,6 @@ def stage_backend(loaded: LoadedModel, quant: str, plan: Sequence[range], rank: 
     return backend
 
 
-class StageLayers(list):
-    """A cache's per-layer KV on rank 0 (other stages' layers stay empty here), named `cache_id`
-    on every stage."""
-
-    cache_id: int
-
-
-def stage_of(plan: Sequence[range], layer: int) -> int:
-    return next(stage for stage, layers in enumerate(plan) if layer in layers)
-
-
-def tokens_digest(tokens: Sequence[int]) -> str:
-    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
-
-
-def _close_at_exit(ref: weakref.ref) -> None:
-    backend = ref()
-    if backend is not None:
-        backend.close()
-
-
 class StagedBackend(TorchBackend):
     """Rank 0 of a pipeline: the Backend protocol over its layers and the stages' (see the module).
 
@@ -188,10 +167,7 @@ class StagedBackend(TorchBackend):
         self._frees: list[deque[int]] = [deque() for _ in self.plan]
         self._broken: str | None = None  # why the pipeline is down, and which stage's exchange broke
         self._broken_stage = 0
-        self._stats = [{"stage": s, "layers": [r.start, r.stop], "passes": 0, "seconds": 0.0, "bytes_sent": 0}
-                       for s, r in enumerate(self.plan)]
-        for entry in self._stats[1:]:
-            entry["round_trip_seconds"] = 0.0
+        self._stats = new_stats(self.plan)
         self.wire: Wire | None = None
         self.remote: list[dict[str, Any]] = []
         if len(self.plan) > 1:
@@ -200,7 +176,7 @@ class StagedBackend(TorchBackend):
             self._store, group = connect(0, len(self.plan), self.options.master, self.options.transport,
                                          self.options.timeout)
             self.wire = Wire(group, torch.device("cuda" if self.options.transport == "nccl" else "cpu"))
-            atexit.register(_close_at_exit, weakref.ref(self))
+            atexit.register(close_at_exit, weakref.ref(self))
             self.remote = [self._hello(stage) for stage in range(1, len(self.plan))]
             say("pipeline: " + ", ".join(f"{'rank 0' if s == 0 else f'stage {s}'} layers {r.start}..{r.stop - 1}"
                                          for s, r in enumerate(self.plan)) + f" over {self.options.transport}")
@@ -230,8 +206,7 @@ class StagedBackend(TorchBackend):
             sent = self.wire.send(stage, header, tensor)
             reply, out, received = self.wire.recv(stage, timeout)
         except BaseException as error:  # a half-done exchange leaves the wire out of step: stop using it
-            first = str(error).splitlines()[0] if str(error) else type(error).__name__
-            self._broken, self._broken_stage = f"stage {stage} stopped answering: {first}", stage
+            self._broken, self._broken_stage = f"stage {stage} stopped answering: {first_line(error)}", stage
             if not isinstance(error, Exception):
                 raise
             failed = self._broken
@@ -244,16 +219,8 @@ class StagedBackend(TorchBackend):
         stats["seconds"] += float(reply.get("seconds", 0.0))
         stats["bytes_sent"] += received
         self._stats[0]["bytes_sent"] += sent
-        if "error" in reply:
-            error_class = StageSetupError if setup else CacheLayoutError if reply.get("layout") else StageError
-            raise error_class(f"stage {stage}: {reply['error']}")
+        raise_reply(stage, reply, setup)
         return reply, out
-
-    def _cache_id(self, cache: CacheState) -> int:
-        cache_id = getattr(cache.layers, "cache_id", None)
-        if cache_id is None:
-            raise StageError("this cache was not made by this staged backend")
-        return cache_id
 
     def _forget(self, cache_id: int) -> None:
         """A cache was dropped: the stages free its KV with the next exchange (called by GC)."""
@@ -290,7 +257,7 @@ class StagedBackend(TorchBackend):
         with torch.inference_mode():
             ids = torch.tensor([int(t) for tokens, _ in lanes for t in tokens], dtype=torch.long, device=self.device)
             passes = [SequencePass(cache.layers, cache.length, len(tokens)) for tokens, cache in lanes]
-            described = [[self._cache_id(cache), cache.length, len(tokens)] for tokens, cache in lanes]
+            described = [[cache_id_of(cache), cache.length, len(tokens)] for tokens, cache in lanes]
             h = self._own_layers(ids, passes)
             for stage in range(1, len(self.plan)):
                 h = self._stage_pass(stage, h, described, prefill=False)
@@ -305,7 +272,7 @@ class StagedBackend(TorchBackend):
             return
         ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
         passes = [SequencePass(cache.layers, cache.length, len(tokens))]
-        described = [[self._cache_id(cache), cache.length, len(tokens)]]
+        described = [[cache_id_of(cache), cache.length, len(tokens)]]
         final: list[torch.Tensor] = []
         with torch.inference_mode(), torch_cpu.prefill_chunk():
             steps = self.model.stage_steps(self.model.embed(ids), passes, self.own, final)
@@ -333,14 +300,11 @@ class StagedBackend(TorchBackend):
         layout: list[dict[str, Any]] = []
         n = cache.length
         for i, layer in enumerate(cache.layers):
-            stage = stage_of(self.plan, i)
-            layout.append(kv_to_arrays(arrays, i, layer, n) if stage == 0 else {"kind": "stage", "stage": stage,
-                                                                                  "offset": n})
-        header = {"op": "save", "cache": self._cache_id(cache), "length": n, "tokens": tokens_digest(cache.tokens)}
+            layout.append(kv_to_arrays(arrays, i, layer, n) if i in self.own else stage_layout(self.plan, i, n))
+        header = {"op": "save", "cache": cache_id_of(cache), "length": n, "tokens": tokens_digest(cache.tokens)}
         for stage in range(1, len(self.plan)):
             reply, _ = self._exchange(stage, header)
-            arrays[array_name(self.plan[stage].start, "stage")] = np.frombuffer(bytes.fromhex(reply["sha"]),
-                                                                                dtype=np.uint8).copy()
+            put_stage_sha(arrays, self.plan, stage, reply["sha"])
         return arrays, layout
 
     def arrays_to_cache(self, arrays: Mapping[str, np.ndarray], layout: list[dict[str, Any]]) -> CacheState:
@@ -348,19 +312,11 @@ class StagedBackend(TorchBackend):
         when any of them is missing, altered or does not fit)."""
         cache, tokens = self._cache_for(arrays, layout)
         n = len(tokens)
-        for i, (layer, spec) in enumerate(zip(cache.layers, layout, strict=True)):
-            stage = stage_of(self.plan, i)
-            expected = {"kind": "stage", "stage": stage} if stage else {"kind": "kv"}
-            if any(spec.get(k) != v for k, v in expected.items()) or spec.get("offset") != n:
-                raise CacheLayoutError(f"layer {i}: snapshot holds {spec}, this pipeline keeps it on stage {stage} "
-                                       f"({n} tokens)")
-            if stage == 0:
-                kv_from_arrays(arrays, i, spec, layer, n)
+        check_stage_layout(self.plan, layout, n)
+        for i in self.own:
+            kv_from_arrays(arrays, i, layout[i], cache.layers[i], n)
         for stage in range(1, len(self.plan)):
-            ref = arrays.get(array_name(self.plan[stage].start, "stage"))
-            if ref is None or ref.dtype != np.uint8 or ref.size != 32:
-                raise CacheLayoutError(f"stage {stage}: the snapshot names no file for its layers")
-            self._exchange(stage, {"op": "load", "cache": self._cache_id(cache), "sha": bytes(ref).hex(),
+            self._exchange(stage, {"op": "load", "cache": cache_id_of(cache), "sha": stage_sha(arrays, self.plan, stage),
                                    "length": n, "tokens": tokens_digest(tokens)})
         cache.tokens = tokens
         return cache

@@ -20,6 +20,7 @@ from pathlib import Path
 # isort: split
 import pytest
 
+from agentfold import prepare_process
 from agentfold.cli.sessions import main
 from agentfold.engine.decode import Engine, GenerationConfig
 from agentfold.engine.factory import build_engine
@@ -232,6 +233,8 @@ def test_bench_sessions_quick_writes_complete_json(tmp_path):
     assert point["identical"] is True and point["restored_setup_snapshot"] is True
     assert 0 < point["resumed"]["prefilled_tokens"] < point["cold"]["prefilled_tokens"] == point["prompt_tokens"]
     assert point["resumed"]["cached_tokens"] > 0 and point["cold"]["cached_tokens"] == 0
+    # the restarted workers run on the BLAS a server process loads (not MLX's bundled reference one)
+    assert point["resumed"]["blas"] == point["cold"]["blas"] == prepare_process().describe()
     assert point["resumed"]["restored_snapshot_id"] and not point["resumed"]["loads"][0]["from_memory"]
     assert point["resumed_ttft_seconds"] > 0 and point["cold_ttft_seconds"] > 0 and point["resumed_ttft_over_cold"]
     assert 900 <= point["prompt_tokens"] <= 1024

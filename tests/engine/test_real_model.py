@@ -59,7 +59,7 @@ def serial(smollm2_mlx_engine, prompts):
     """Serial reference replies, computed once: {(prompt index, params): tokens}."""
     out = {}
     for index, ids in enumerate(prompts):
-        settings = [GREEDY, *SAMPLED] if index % 2 == 0 else [GREEDY]
+        settings = [GREEDY, *SAMPLED] if index % 4 == 0 else [GREEDY]  # sampled: every kind of prompt, fewer
         for params in settings:
             config = GenerationConfig(params=params, max_tokens=MAX_TOKENS, draft=False)
             completion = smollm2_mlx_engine.generate(ids, config)
@@ -83,7 +83,7 @@ def test_suffix_drafted_equals_serial(smollm2_mlx_engine, prompts, serial):
         assert completion.tokens == reference, (PROMPTS[index][:40], params)
         drafted_total += completion.stats.drafted
         accepted_total += completion.stats.accepted
-    assert len(serial) >= 20 + 2 * 10
+    assert len(serial) >= 22 + 2 * 6
     assert drafted_total > 0 and accepted_total > 0  # the drafted path really ran
 
 

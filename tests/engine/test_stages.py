@@ -252,13 +252,13 @@ def test_setup_errors_are_one_line(tiny, tmp_path, capsys):
         connect(1, 2, f"127.0.0.1:{free_port()}", timeout=0.5)
     with pytest.raises(StageSetupError, match="HOST:PORT"):
         connect(1, 2, "nowhere", timeout=0.5)
-    assert cli_main(["serve", "--stages", "2", "--backend", "mlx"]) == 2
+    assert cli_main(["serve", "--stages", "2", "--backend", "mlx", "--stage-master", master]) == 2
     assert cli_main(["serve", "--stages", "0"]) == 2
     assert cli_main(["serve", "--no-spawn"]) == 2
     assert cli_main(["stage", "--rank", "0", "--stages", "2", "--master", master, "--model", str(tiny)]) == 2
     assert cli_main(["stage", "--rank", "1", "--stages", "2", "--master", master, "--backend", "mlx"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("agentfold: error:")]
-    assert len(lines) == 5 and "torch backend only" in lines[0] and "--rank must be in 1..1" in lines[3]
+    assert len(lines) == 5 and "the torch stages' address" in lines[0] and "--rank must be in 1..1" in lines[3]
 
 
 def test_ranks_that_disagree_are_refused(tiny, tmp_path):
