@@ -75,6 +75,14 @@ def arrays_digest(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
+def model_fingerprint(config: Mapping[str, Any], dtype: Any, final_norm: np.ndarray) -> str:
+    """What every rank must agree on before pruning: config, dtype and the final norm's float32 bytes."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(str(dtype).encode())
+    digest.update(np.ascontiguousarray(final_norm, dtype=np.float32).tobytes())
+    return digest.hexdigest()
+
+
 def first_line(error: BaseException) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 

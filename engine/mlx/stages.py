@@ -30,8 +30,6 @@ does not run before the int8 kernels are installed; peak memory while loading is
 from __future__ import annotations
 
 import atexit
-import hashlib
-import json
 import threading
 import time
 import weakref
@@ -58,6 +56,7 @@ from agentfold.engine.stage_common import (
     check_stage_layout,
     close_at_exit,
     first_line,
+    model_fingerprint,
     new_stats,
     put_stage_sha,
     raise_reply,
@@ -96,11 +95,8 @@ class _Elsewhere(nn.Module):
 
 
 def fingerprint(loaded: LoadedModel) -> str:
-    """What every rank must agree on before pruning: config, dtype and the final norm's bytes."""
-    digest = hashlib.sha256(json.dumps(loaded.config, sort_keys=True, default=str).encode())
-    digest.update(str(loaded.dtype).encode())
-    digest.update(np.array(loaded.model.model.norm.weight.astype(mx.float32)).tobytes())
-    return digest.hexdigest()
+    """What every rank must agree on before pruning (`stage_common.model_fingerprint`)."""
+    return model_fingerprint(loaded.config, loaded.dtype, np.array(loaded.model.model.norm.weight.astype(mx.float32)))
 
 
 def stage_plan(loaded: LoadedModel, stages: int) -> list[range]:

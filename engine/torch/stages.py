@@ -37,8 +37,6 @@ point-to-point calls (gloo on CPU, the tested transport; `nccl` for CUDA is writ
 from __future__ import annotations
 
 import atexit
-import hashlib
-import json
 import threading
 import time
 import weakref
@@ -61,6 +59,7 @@ from agentfold.engine.stage_common import (
     check_stage_layout,
     close_at_exit,
     first_line,
+    model_fingerprint,
     new_stats,
     put_stage_sha,
     raise_reply,
@@ -110,11 +109,8 @@ class _Elsewhere(nn.Module):
 
 
 def fingerprint(loaded: LoadedModel) -> str:
-    """What every rank must agree on before pruning: config, dtype and the final norm's bytes."""
-    digest = hashlib.sha256(json.dumps(loaded.config, sort_keys=True, default=str).encode())
-    digest.update(str(loaded.dtype).encode())
-    digest.update(loaded.model.model.norm.weight.detach().float().cpu().numpy().tobytes())
-    return digest.hexdigest()
+    """What every rank must agree on before pruning (`stage_common.model_fingerprint`)."""
+    return model_fingerprint(loaded.config, loaded.dtype, loaded.model.model.norm.weight.detach().float().cpu().numpy())
 
 
 def drop_layers(model: nn.Module, own: range) -> None:
