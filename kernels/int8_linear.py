@@ -7,20 +7,28 @@ A linear layer y = x W^T is computed as
 - q [N, K] int8: the weight quantized per output channel (sw[n] = max |W[n, :]| / 127);
 - x's row m quantized to a 16-bit integer per row (sx[m] = max |x[m, :]| / 32512) and split into
   two int8 halves, x_q = 256 * hi + lo with hi, lo in [-128, 127];
-- both halves go through ONE int8 x int8 -> int32 GEMM (`torch._int_mm`, rows [hi; lo]), which
-  reads the weights once for all 2m rows.
+- both halves go through ONE int8 x int8 -> int32 GEMM (rows [hi; lo]), which reads the weights
+  once for all 2m rows: the C kernel `int8_gemm` (AVX-512 VNNI, AVX2 or portable C, on weights
+  packed once at load) where a compiler built it, else `torch._int_mm`.
 
 Why it is exact whatever kernel runs: every product and partial sum is an integer, and int32
 holds them with room to spare (|sum| <= 128 * 127 * K < 2^31 for any K up to 131,000), so the
 GEMM's blocking, vector width, thread count and order of summation cannot change a bit. What
 remains is per-element IEEE arithmetic (one division, one rounding, a few multiplies and adds in
 a fixed order) and an exact max per row: the bits of row m never depend on the other rows. The
-same argument holds on any CPU (AVX2, AVX-512, NEON), any BLAS and any thread count.
+same argument holds on any CPU (AVX2, AVX-512, NEON), any BLAS and any thread count, for any
+kernel that computes the true integer sums. (torch._int_mm does not on x86 CPUs without VNNI:
+oneDNN's int8 kernels there saturate pair sums to int16 (vpmaddubsw), so its results are
+consistent but not the products; `int8_gemm` is exact on every path, and torch._int_mm is only
+used where no compiler is, or where it was checked exact here and is faster.)
 
 Cost in quality: the weights are rounded to 8 bits per output channel; the activations keep about
 15 bits per row (256x finer than per-row int8), so the quantized model stays close to float32
 (the bench's quality report measures perplexity on a fixed text). Cost in speed: none; int8
 weights read 4x fewer bytes than float32, and on x86 the int8 GEMM is faster than the float one.
+Since every kernel gives the same integers, which one runs is a question of speed only:
+`int8_gemm.matmul` picks per weight shape and row count, by timing, between the C kernel and
+torch._int_mm (an Intel CPU's AMX is faster at prefill sizes).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentfold.kernels import int8_rows
+from agentfold.kernels import int8_gemm, int8_rows
 
 VERSION = 1  # bump when the arithmetic changes (it is part of snapshot keys)
 WEIGHT_LEVELS = 127  # int8 weights in [-127, 127]
@@ -39,21 +47,28 @@ ACT_LEVELS = 127 * HALF  # 32512: |x_q| <= this keeps hi in [-127, 127] and lo i
 
 @dataclass
 class Int8Weight:
-    """A weight [N, K] as int8 values per output channel with float32 scales."""
+    """A weight [N, K] as int8 values per output channel with float32 scales; once `pack`ed, in the
+    C kernel's layout too (the plain values then kept only where torch._int_mm may run them)."""
 
-    values: torch.Tensor  # int8 [N, K], contiguous (passed to the GEMM as its [K, N] transpose)
+    values: torch.Tensor | None  # int8 [N, K], contiguous (torch._int_mm's operand, as its [K, N] transpose)
     scales: torch.Tensor  # float32 [N]
+    packed: int8_gemm.PackedWeight | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.values.shape)
+        return self.packed.shape if self.packed is not None else tuple(self.values.shape)
 
     def nbytes(self) -> int:
-        return self.values.numel() + 4 * self.scales.numel()
+        held = self.packed.nbytes() if self.packed is not None else self.values.numel()
+        return held + 4 * self.scales.numel()
+
+    def int8_values(self) -> torch.Tensor:
+        """The int8 [N, K] values (read back out of the packed layout where they were not kept)."""
+        return self.values if self.values is not None else int8_gemm.unpack(self.packed)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight this int8 weight stands for (quality checks)."""
-        return self.values.float() * self.scales[:, None]
+        return self.int8_values().float() * self.scales[:, None]
 
 
 def quantize_weight(weight: torch.Tensor) -> Int8Weight:
@@ -67,7 +82,23 @@ def quantize_weight(weight: torch.Tensor) -> Int8Weight:
 
 def concat(weights: list[Int8Weight]) -> Int8Weight:
     """Weights that read the same input, stacked along N: one GEMM computes all of them."""
-    return Int8Weight(torch.cat([w.values for w in weights]).contiguous(), torch.cat([w.scales for w in weights]))
+    return Int8Weight(torch.cat([w.int8_values() for w in weights]).contiguous(), torch.cat([w.scales for w in weights]))
+
+
+def pack(weight: Int8Weight) -> None:
+    """Give `weight` the C GEMM's layout (`int8_gemm`, where a compiler built it), in place. Its
+    plain values are kept only where torch._int_mm is faster here at prefill sizes, so that
+    `int8_gemm.matmul` can hand those passes to it; elsewhere they are dropped (the weights are
+    held once). Both kernels give the same integers: this decides speed and memory, never bits."""
+    if weight.packed is not None or not int8_gemm.available():
+        return
+    keep = not int8_gemm.faster_than_torch(weight.shape, int8_gemm.BUCKETS[-1])
+    if keep:  # time every row bucket now, not inside the first (timed) passes
+        for rows in int8_gemm.BUCKETS:
+            int8_gemm.faster_than_torch(weight.shape, rows)
+    weight.packed = int8_gemm.pack(weight.values, keep_values=keep)
+    if not keep:
+        weight.values = None
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +117,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int_mm(halves: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
-    """halves [r, K] int8 @ weight.values.T -> int32 [r, N]: exact, whatever kernel runs."""
+    """halves [r, K] int8 @ the weight's transpose -> int32 [r, N]: exact, whatever kernel runs."""
+    if weight.packed is not None:
+        return int8_gemm.matmul(halves, weight.packed)
     return torch._int_mm(halves, weight.values.t())
 
 
@@ -111,17 +144,19 @@ def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
         return combine(int_mm(halves, weight), row_scales, weight, bias)
     x = x.float().contiguous()
     m, k = x.shape
-    n = weight.values.shape[0]
+    n = weight.shape[0]
     halves = torch.empty(2 * m, k, dtype=torch.int8)
     row_scales = torch.empty(m, dtype=torch.float32)
-    lib.quantize_rows(x.data_ptr(), m, k, halves.data_ptr(), row_scales.data_ptr())
+    threads = torch.get_num_threads()
+    lib.quantize_rows(x.data_ptr(), m, k, halves.data_ptr(), row_scales.data_ptr(), threads)
     sums = int_mm(halves, weight).contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
     bias = bias.float().contiguous() if bias is not None else None
     lib.combine(sums.data_ptr(), m, n, row_scales.data_ptr(), weight.scales.data_ptr(),
-                bias.data_ptr() if bias is not None else None, out.data_ptr())
+                bias.data_ptr() if bias is not None else None, out.data_ptr(), threads)
     return out
 
 
 def describe() -> dict[str, str]:
-    return {"linear": f"int8_linear/{VERSION}", "weights": "int8 per channel", "activations": "int16 per row"}
+    return {"linear": f"int8_linear/{VERSION}", "weights": "int8 per channel", "activations": "int16 per row",
+            **int8_gemm.describe()}

@@ -12,9 +12,11 @@ import ctypes
 from agentfold.kernels import native
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-SIGNATURES = {"quantize_rows": [_PTR, _I64, _I64, _PTR, _PTR], "combine": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR]}
+_INT = ctypes.c_int
+SIGNATURES = {"quantize_rows": [_PTR, _I64, _I64, _PTR, _PTR, _INT],
+              "combine": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT]}
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded library, built on first use; None where it cannot be built or loaded."""
-    return native.load("int8_rows", SIGNATURES)
+    return native.load(SIGNATURES)

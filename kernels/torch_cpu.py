@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from agentfold.kernels import native
 
-VERSION = 3  # bump when any kernel's arithmetic changes (it is part of snapshot keys)
+VERSION = 4  # bump when any kernel's arithmetic changes (it is part of snapshot keys)
 PER_ROW_LIMIT = 64  # passes wider than this are prefill chunks: batched, not row-exact
 PREFILL_BLOCK = 256  # query rows per batched attention call (bounds the score matrix)
 PROBE_ROWS = 16  # the widest block `linear` checks for
@@ -184,13 +184,15 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions:
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _LANE_SIGNATURE = {"lane_attention": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
-                                      ctypes.c_float, _I64, ctypes.c_int], "lane_attention_fused": ([], ctypes.c_int)}
+                                      ctypes.c_float, _I64, ctypes.c_int, _I64, _PTR, _I64, _PTR, _I64],
+                   "lane_attention_fused": ([], ctypes.c_int)}
+CACHE_DTYPES = {torch.float32: 0, torch.float16: 1}  # the caches the C kernel reads (value: its `half` flag)
 LaneKV = tuple[int, int, int, torch.Tensor, torch.Tensor]  # rows begin, rows, start, keys, values [kv_heads, cap, d]
 
 
 def lane_library() -> ctypes.CDLL | None:
-    """csrc/lane_attention.c (threads from torch's own OpenMP runtime where it links; else one thread)."""
-    return native.load("lane_attention", _LANE_SIGNATURE, variants=(["-fopenmp"], []))
+    """The kernels' library with csrc/lane_attention.c's functions (built on first use, `native`)."""
+    return native.load(_LANE_SIGNATURE)
 
 
 def attention_kernel() -> str:
@@ -201,27 +203,78 @@ def attention_kernel() -> str:
     return "lane_attention.c/fma" if lib.lane_attention_fused() else "lane_attention.c"
 
 
+class LaneTable:
+    """The C attention's view of a pass's lanes, built once per pass for all of its layers.
+
+    Per lane its rows (begin, count) and start position, per layer every lane's cache addresses,
+    as the C arrays the kernel reads: a layer's call then costs the same however many lanes share
+    the pass (one call; the kernel also stores the rows' new keys and values). The caches must
+    have room for the pass's rows before the table is made (`LayerCache.reserve`), so that no
+    address changes while the pass runs.
+    """
+
+    def __init__(self, spans: Sequence[tuple[int, int, int]], layers: Sequence[Sequence[tuple[torch.Tensor,
+                                                                                          torch.Tensor]]]) -> None:
+        count = len(spans)
+        column = ctypes.c_int64 * count
+        self.count = count
+        self.rows = sum(rows for _, rows, _ in spans)
+        self.begin, self.lengths, self.start = (column(*c) for c in zip(*spans, strict=True))
+        self.layers = []
+        for caches in layers:
+            keys = caches[0][0]
+            for k, v in caches:
+                if not (k.is_contiguous() and v.is_contiguous()) or k.dtype != keys.dtype or v.dtype != keys.dtype:
+                    raise ValueError("lane caches must be contiguous, of one dtype")
+            self.layers.append((column(*[k.shape[1] for k, _ in caches]), column(*[k.data_ptr() for k, _ in caches]),
+                                column(*[v.data_ptr() for _, v in caches]), CACHE_DTYPES[keys.dtype], keys.shape[0]))
+
+    def attend(self, layer: int, q: torch.Tensor, new_keys: torch.Tensor | None, new_values: torch.Tensor | None,
+               scale: float, window: int | None) -> torch.Tensor:
+        """Layer `layer`'s attention of every lane: q [m, heads, d] float32 (lane after lane) -> [m, heads, d].
+        `new_keys` / `new_values` [m, kv_heads, d] (float32, rows may be strided): the rows' own keys
+        and values, stored into each lane's cache at its positions first (None: already there)."""
+        capacity, keys, values, half, kv_heads = self.layers[layer]
+        m, heads, d = q.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        written = []
+        for new in (new_keys, new_values):
+            if new is None:
+                written.append((None, 0))
+                continue
+            if new.dtype != torch.float32 or new.stride(2) != 1 or new.stride(1) != d:
+                new = new.float().contiguous()
+            written.append((new.data_ptr(), new.stride(0)))
+        lane_library().lane_attention(q.data_ptr(), out.data_ptr(), heads, kv_heads, d, self.count, self.begin,
+                                      self.lengths, self.start, capacity, keys, values, scale, window or 0,
+                                      torch.get_num_threads(), half, written[0][0], written[0][1], written[1][0],
+                                      written[1][1])
+        return out
+
+
+def lane_table(rows: int, spans: Sequence[tuple[int, int, int]],
+               layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> LaneTable | None:
+    """The pass's `LaneTable` where the C kernel runs its decode and verify attention; None where it
+    does not apply (a prefill chunk, a pass wider than PER_ROW_LIMIT, no compiler, a cache the
+    kernel does not read): the model then runs `attention` per lane. Decided by the model and the
+    pass alone, so a reply's rows never change kernels."""
+    if lane_library() is None or rows > PER_ROW_LIMIT or getattr(_PREFILL, "on", False) or not layers:
+        return None
+    keys = layers[0][0][0]
+    if keys.device.type != "cpu" or keys.dtype not in CACHE_DTYPES:
+        return None
+    return LaneTable(spans, layers)
+
+
 def lane_attention(q: torch.Tensor, lanes: Sequence[LaneKV], scale: float, window: int | None) -> torch.Tensor | None:
     """Decode / verify attention of every lane of a pass in one C call: q [m, heads, d] (lane after
     lane) -> [m, heads, d]; a lane's row at position p sees its own cache's keys 0..p (with a
     `window`, the last `window` of them). Row-exact by construction (csrc/lane_attention.c), and a
-    lane's keys and values are read once for all of its rows. None where it does not apply (a
-    prefill chunk, a pass wider than PER_ROW_LIMIT, a model in another dtype than float32, no
-    compiler): the caller runs `attention` per lane."""
-    m, heads, d = q.shape
-    lib = lane_library()
-    if lib is None or m > PER_ROW_LIMIT or getattr(_PREFILL, "on", False) or q.dtype != torch.float32:
-        return None  # decided by the model and the pass alone: a reply's rows never change kernels
-    lanes = [(begin, rows, start, keys.contiguous(), values.contiguous()) for begin, rows, start, keys, values in lanes]
-    if any(keys.dtype != torch.float32 or values.dtype != torch.float32 for _, _, _, keys, values in lanes):
-        raise ValueError("float32 queries over a cache of another dtype")
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    count = len(lanes)
-    columns = list(zip(*[(begin, rows, start, keys.shape[1], keys.data_ptr(), values.data_ptr())
-                         for begin, rows, start, keys, values in lanes], strict=True))
-    arrays = [(ctypes.c_int64 * count)(*column) for column in columns]
-    kv_heads = lanes[0][3].shape[0]
-    lib.lane_attention(q.data_ptr(), out.data_ptr(), heads, kv_heads, d, count, *arrays, scale, window or 0,
-                       torch.get_num_threads())
-    return out
+    lane's keys and values are read once for all of its rows. None where it does not apply (see
+    `lane_table`; also queries in another dtype than float32): the caller runs `attention` per lane."""
+    if q.dtype != torch.float32:
+        return None
+    layer = [(keys.contiguous(), values.contiguous()) for _, _, _, keys, values in lanes]
+    table = lane_table(q.shape[0], [(begin, rows, start) for begin, rows, start, _, _ in lanes], [layer])
+    return None if table is None else table.attend(0, q, None, None, scale, window)

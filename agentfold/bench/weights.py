@@ -102,8 +102,8 @@ def _torch_bytes(backend: Any) -> dict[str, Any]:
                  "included), float norms, one float embedding row")
         # the tied head's int8 copy duplicates the embedding table: count the table's weights once
         head = getattr(model, "head_int8", None)
-        duplicate = head.values.numel() if tied and head is not None else 0
-        count = sum(p.numel() for p in params) + sum(w.values.numel() for w in int8s.values()) - duplicate
+        duplicate = head.shape[0] * head.shape[1] if tied and head is not None else 0
+        count = sum(p.numel() for p in params) + sum(w.shape[0] * w.shape[1] for w in int8s.values()) - duplicate
     else:
         int8_bytes = 0
         per_token = float_bytes if tied else float_bytes - table_bytes + row

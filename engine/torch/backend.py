@@ -41,6 +41,10 @@ class TorchBackend:
         self.quant = resolve_quant(quant, self.device, self.model)
         if self.quant == "int8":
             quantize.int8_weights(self.model)
+            if self.model.model.embed_tokens.weight.dtype == torch.float32:
+                # Keys and values as float16, as llama.cpp keeps them: half the bytes every verify
+                # row's attention reads (the C kernel widens them exactly), half the snapshot size.
+                self.model.cache_dtype = torch.float16
         elif self.device.type == "cpu":
             self._calibrate_cpu_matmuls()
 
@@ -153,7 +157,8 @@ class TorchBackend:
             from agentfold.kernels import int8_linear
 
             kernels.update(int8_linear.describe())
-        return {"backend": self.name, "device": str(self.device), **kernels,
+        cache = self.model.cache_dtype or self.model.model.embed_tokens.weight.dtype
+        return {"backend": self.name, "device": str(self.device), **kernels, "kv_cache": str(cache).replace("torch.", ""),
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
                 **(offload.describe() if offload is not None else {})}
 

@@ -7,44 +7,77 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "pool.h"
+
 #define HALF 256
 #define ACT_LEVELS (127 * HALF)
 
-/* x [m, k] float32 -> halves [2m, k] int8 (hi rows, then lo rows), scales [m]. */
-void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *halves, float *scales) {
-    for (int64_t i = 0; i < m; i++) {
-        const float *row = x + i * k;
-        float amax = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            float a = fabsf(row[j]);
-            amax = a > amax ? a : amax;
-        }
-        float scale = amax / (float)ACT_LEVELS;
-        if (!(scale > 0.0f)) scale = 1.0f;
-        scales[i] = scale;
-        int8_t *hi = halves + i * k, *lo = halves + (m + i) * k;
-        for (int64_t j = 0; j < k; j++) {
-            float q = nearbyintf(row[j] / scale);
-            q = q < -ACT_LEVELS ? -ACT_LEVELS : (q > ACT_LEVELS ? ACT_LEVELS : q);
-            int32_t qi = (int32_t)q;
-            int32_t h = (qi + HALF / 2) >> 8; /* floor division by 256 (arithmetic shift) */
-            hi[j] = (int8_t)h;
-            lo[j] = (int8_t)(qi - h * HALF);
-        }
+/* Elements per task of the kernels' pool (speed only: any split gives the same bits). */
+#define GRAIN 16384
+
+struct quantize_job {
+    const float *x;
+    int64_t m, k;
+    int8_t *halves;
+    float *scales;
+};
+
+static void quantize_row(void *context, int64_t i) {
+    const struct quantize_job *job = context;
+    int64_t k = job->k;
+    const float *row = job->x + i * k;
+    float amax = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        float a = fabsf(row[j]);
+        amax = a > amax ? a : amax;
+    }
+    float scale = amax / (float)ACT_LEVELS;
+    if (!(scale > 0.0f)) scale = 1.0f;
+    job->scales[i] = scale;
+    int8_t *hi = job->halves + i * k, *lo = job->halves + (job->m + i) * k;
+    for (int64_t j = 0; j < k; j++) {
+        float q = nearbyintf(row[j] / scale);
+        q = q < -ACT_LEVELS ? -ACT_LEVELS : (q > ACT_LEVELS ? ACT_LEVELS : q);
+        int32_t qi = (int32_t)q;
+        int32_t h = (qi + HALF / 2) >> 8; /* floor division by 256 (arithmetic shift) */
+        hi[j] = (int8_t)h;
+        lo[j] = (int8_t)(qi - h * HALF);
     }
 }
 
-/* sums [2m, n] int32 -> out [m, n] float32 = float(256 * hi + lo) * row_scale * weight_scale (+ bias). */
-void combine(const int32_t *sums, int64_t m, int64_t n, const float *row_scales, const float *weight_scales,
-             const float *bias, float *out) {
-    for (int64_t i = 0; i < m; i++) {
-        const int32_t *hi = sums + i * n, *lo = sums + (m + i) * n;
-        float rs = row_scales[i];
-        float *y = out + i * n;
-        for (int64_t j = 0; j < n; j++) {
-            float c = (float)((int64_t)hi[j] * HALF + (int64_t)lo[j]);
-            float v = (c * rs) * weight_scales[j];
-            y[j] = bias ? v + bias[j] : v;
-        }
+/* x [m, k] float32 -> halves [2m, k] int8 (hi rows, then lo rows), scales [m]; a row per task. */
+void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *halves, float *scales, int threads) {
+    struct quantize_job job = {x, m, k, halves, scales};
+    int64_t most = m * k / GRAIN > 0 ? m * k / GRAIN : 1;
+    pool_for(threads < most ? threads : (int)most, m, quantize_row, &job);
+}
+
+struct combine_job {
+    const int32_t *sums;
+    int64_t m, n, blocks;
+    const float *row_scales, *weight_scales, *bias;
+    float *out;
+};
+
+static void combine_block(void *context, int64_t t) {
+    const struct combine_job *job = context;
+    int64_t n = job->n, i = t / job->blocks, from = (t % job->blocks) * GRAIN, to = from + GRAIN < n ? from + GRAIN : n;
+    const int32_t *hi = job->sums + i * n, *lo = job->sums + (job->m + i) * n;
+    const float *weight_scales = job->weight_scales, *bias = job->bias;
+    float rs = job->row_scales[i];
+    float *y = job->out + i * n;
+    for (int64_t j = from; j < to; j++) {
+        float c = (float)((int64_t)hi[j] * HALF + (int64_t)lo[j]);
+        float v = (c * rs) * weight_scales[j];
+        y[j] = bias ? v + bias[j] : v;
     }
+}
+
+/* sums [2m, n] int32 -> out [m, n] float32 = float(256 * hi + lo) * row_scale * weight_scale (+ bias);
+ * blocks of GRAIN columns of a row per task. */
+void combine(const int32_t *sums, int64_t m, int64_t n, const float *row_scales, const float *weight_scales,
+             const float *bias, float *out, int threads) {
+    int64_t blocks = (n + GRAIN - 1) / GRAIN;
+    struct combine_job job = {sums, m, n, blocks, row_scales, weight_scales, bias, out};
+    pool_for(threads, m * blocks, combine_block, &job);
 }

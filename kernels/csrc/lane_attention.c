@@ -12,12 +12,21 @@
  * What the call saves over one torch attention call per row: a lane's keys and values are read
  * once for all of its rows and all the query heads that share them (the loops run key by key,
  * queries inside), and one call covers all lanes and heads of a layer, split over threads by
- * (lane, kv head).
+ * (lane, kv head) tasks of the kernels' pool (pool.h).
+ *
+ * The cache holds float32 or float16 (IEEE binary16) keys and values. A float16 block of 16 keys
+ * (or values) is widened to float32 once per task, for all of its queries: widening is exact, so
+ * the arithmetic after it is the float32 kernel's, on the values the cache holds. The call can
+ * also store the pass's own new keys and values into each lane's cache first (rounded to nearest
+ * even when the cache is float16, as torch's conversion does), inside the task that then reads
+ * them: one call per layer for every lane, with no per-lane work left to the caller.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pool.h"
 
 #define W 16
 #define CHUNKS 16 /* vectors of one row's weighted sum kept in registers at a time (d <= 256 at once) */
@@ -32,7 +41,9 @@ static inline vf load(const float *p) {
 
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-static inline vf splat(float x) { return (vf){0} + x; }
+/* x in every lane: x - 0 is x exactly (-0 included), which the compiler emits as a plain broadcast
+ * (0 + x would be an addition, slower, and +0 for -0) */
+static inline vf splat(float x) { return x - (vf){0}; }
 
 /* a * b + c for the dot products and weighted sums: one fused multiply-add (a single rounding)
  * where the CPU has it, else a multiply and an add; either way every call site always runs the
@@ -59,192 +70,352 @@ static inline vf madd(vf a, vf b, vf c) {
 static inline vf madd(vf a, vf b, vf c) { return a * b + c; }
 #endif
 
+/* IEEE binary16 <-> float32. Widening is exact; narrowing rounds to nearest, ties to even (as
+ * torch's and the CPU's own conversions do), so every path below stores the same bits. */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, nan */
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa) { /* subnormal: normalize */
+        int shift = 0;
+        while (!(mantissa & 0x400)) {
+            mantissa <<= 1;
+            shift++;
+        }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mantissa & 0x3ff) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_half(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    uint32_t sign = (bits >> 16) & 0x8000, magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return (uint16_t)(sign | 0x7e00 | ((magnitude >> 13) & 0x3ff)); /* nan */
+    if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds past the largest half: inf */
+    if (magnitude < 0x38800000u) { /* below the smallest normal half: a subnormal (or zero) */
+        if (magnitude < 0x33000000u) return (uint16_t)sign; /* under half the smallest subnormal */
+        uint32_t mantissa = (magnitude & 0x7fffff) | 0x800000, shift = 126 - (magnitude >> 23);
+        uint32_t kept = mantissa >> shift, rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        kept += rest > halfway || (rest == halfway && (kept & 1));
+        return (uint16_t)(sign | kept);
+    }
+    uint32_t kept = magnitude >> 13, rest = magnitude & 0x1fff;
+    kept += rest > 0x1000 || (rest == 0x1000 && (kept & 1));
+    return (uint16_t)(sign | (kept - (112u << 10)));
+}
+
+/* count elements of a float32 or float16 cache row, widened into `to` (exact). */
+static inline void widen(const void *from, int64_t half, int64_t count, float *to) {
+    if (!half) {
+        memcpy(to, from, sizeof(float) * (size_t)count);
+        return;
+    }
+    const uint16_t *h = from;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= count; i += 16) _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#endif
+    for (; i < count; i++) to[i] = half_to_float(h[i]);
+}
+
+/* count float32 values stored into a float32 or float16 cache row (float16: rounded to nearest even). */
+static inline void narrow(const float *from, int64_t half, int64_t count, void *to) {
+    if (!half) {
+        memcpy(to, from, sizeof(float) * (size_t)count);
+        return;
+    }
+    uint16_t *h = to;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= count; i += 16)
+        _mm256_storeu_si256((__m256i *)(h + i), _mm512_cvtps_ph(_mm512_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < count; i++) h[i] = float_to_half(from[i]);
+}
+
 /* Whether `madd` is fused here (part of the kernel's name in snapshot keys: other bits). */
 int lane_attention_fused(void) { return FUSED; }
 
-/* The 16 lanes of v summed as a fixed tree: (0+8, 1+9, ...), then halves again. */
-static inline float hsum(vf v) {
-    float a[W];
-    store(a, v);
-    for (int width = W / 2; width >= 1; width /= 2)
-        for (int i = 0; i < width; i++) a[i] = a[i] + a[i + width];
-    return a[0];
-}
+/* Scores, softmax and weighted sums go by "groups" of up to 16 (or, for a last group of at most
+ * 8, 8) of a task's queries, one query per vector lane: the key-major half of the work (each
+ * key's dot product with every query of the group, the softmax's max, exponentials and sum) is
+ * plain lane-wise arithmetic, with no sum across lanes. A lane's operations use only its own
+ * query, so neither the group's other queries, nor its width, nor which group a query falls in
+ * can change a bit. Per query and key: dot = fma(k[c], q[c], dot) for c = 0..d-1 from +0, times
+ * the scale; the keys outside the query's own (its window's start to its position) get -inf, so
+ * they add exact zeros to the sums that follow (a sum that starts at +0 and adds only zeros and
+ * positive or signed terms is unchanged by a zero; it can never be -0). */
+#define G8 8
+typedef float v8 __attribute__((vector_size(G8 * sizeof(float))));
+typedef int32_t v8i __attribute__((vector_size(G8 * sizeof(int32_t))));
 
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+static inline v8 splat8(float x) { return x - (v8){0}; }
 
-/* Sixteen dot products at once: acc[j] holds key j's 16 partial sums (lane c: the chunks' element
- * c); the result's lane j is their sum, as the same tree for every key (c + 8, then + 4, + 2, + 1). */
-static inline vf sum_lanes(const vf acc[W]) {
-    vf t[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)
-        t[i] = SHUFFLE(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               SHUFFLE(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; i++)
-        u[i] = SHUFFLE(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               SHUFFLE(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++)
-        w[i] = SHUFFLE(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-               SHUFFLE(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return SHUFFLE(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           SHUFFLE(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
+#if defined(__FMA__)
+static inline v8 madd8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+static inline v8 madd8(v8 a, v8 b, v8 c) { return a * b + c; }
+#endif
 
-/* q . k for the 16 keys at `keys[j]`, each over d elements: 16-wide partial sums over whole chunks,
- * their tree sum, then the tail (d % 16 elements) in order. Stored in dots[0..15]. */
-static inline __attribute__((always_inline)) void block_dots(const float *q, const float *const keys[W], int64_t d, float dots[W]) {
-    vf acc[W];
-    int64_t whole = d - d % W;
-    for (int j = 0; j < W; j++) {
-        vf a = {0};
-        if (whole) a = load(q) * load(keys[j]);
-        for (int64_t c = W; c < whole; c += W) a = madd(load(q + c), load(keys[j] + c), a);
-        acc[j] = a;
+/* exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n); 0 below
+ * -87 and for -inf and NaN. The same lane-wise operations for either width. */
+#define DEFINE_VEXP(NAME, VT, VIT)                                                                        \
+    static inline VT NAME(VT x) {                                                                         \
+        const VT floor_ = (VT){0} - 87.0f;                                                                \
+        const VIT keep = x >= floor_;                                                                     \
+        x = (VT)(((VIT)x & keep) | ((VIT)floor_ & ~keep));                                                \
+        VT fx = x * ((VT){0} + 1.44269504088896341f) + ((VT){0} + 0.5f);                                  \
+        VIT n = __builtin_convertvector(fx, VIT);                                                         \
+        VT nf = __builtin_convertvector(n, VT);                                                           \
+        VIT above = nf > fx; /* truncation rounded up (negative fx): floor is one less */                 \
+        n = n + above;                                                                                    \
+        nf = __builtin_convertvector(n, VT);                                                              \
+        VT r = x - nf * ((VT){0} + 0.693359375f);                                                         \
+        r = r - nf * ((VT){0} - 2.12194440e-4f);                                                          \
+        VT z = r * r;                                                                                     \
+        VT y = (VT){0} + 1.9875691500e-4f;                                                                \
+        y = y * r + ((VT){0} + 1.3981999507e-3f);                                                         \
+        y = y * r + ((VT){0} + 8.3334519073e-3f);                                                         \
+        y = y * r + ((VT){0} + 4.1665795894e-2f);                                                         \
+        y = y * r + ((VT){0} + 1.6666665459e-1f);                                                         \
+        y = y * r + ((VT){0} + 5.0000001201e-1f);                                                         \
+        y = y * z + r + ((VT){0} + 1.0f);                                                                 \
+        VIT bits = (n + 127) << 23;                                                                       \
+        return (VT)((VIT)(y * (VT)bits) & keep);                                                          \
     }
-    store(dots, sum_lanes(acc));
-    for (int j = 0; j < W; j++)
-        for (int64_t c = whole; c < d; c++) dots[j] = dots[j] + q[c] * keys[j][c];
-}
+DEFINE_VEXP(vexp16, vf, vi)
+DEFINE_VEXP(vexp8, v8, v8i)
 
-/* exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n); 0 below -87. */
-static inline vf vexp(vf x) {
-    const vi keep = x >= splat(-87.0f);
-    x = (vf)(((vi)x & keep) | ((vi)splat(-87.0f) & ~keep));
-    vf fx = x * splat(1.44269504088896341f) + splat(0.5f);
-    vi n = __builtin_convertvector(fx, vi);
-    vf nf = __builtin_convertvector(n, vf);
-    vi above = nf > fx; /* truncation rounded up (negative fx): floor is one less */
-    n = n + above;
-    nf = __builtin_convertvector(n, vf);
-    vf r = x - nf * splat(0.693359375f);
-    r = r - nf * splat(-2.12194440e-4f);
-    vf z = r * r;
-    vf y = splat(1.9875691500e-4f);
-    y = y * r + splat(1.3981999507e-3f);
-    y = y * r + splat(8.3334519073e-3f);
-    y = y * r + splat(4.1665795894e-2f);
-    y = y * r + splat(1.6666665459e-1f);
-    y = y * r + splat(5.0000001201e-1f);
-    y = y * z + r + splat(1.0f);
-    vi bits = (n + 127) << 23;
-    return (vf)((vi)(y * (vf)bits) & keep);
-}
-
-/* One query row against keys 0..count-1 of `scores` (already q.k * scale, padded with -inf to a
- * whole chunk): exponentials in place, returns their sum. */
-static float softmax_numerators(float *scores, int64_t count) {
-    vf high = splat(-INFINITY); /* the row's largest score (a max: any order gives the same bits) */
-    for (int64_t j = 0; j < count; j += W) {
-        vf s = load(scores + j);
-        high = (vf)(((vi)s & (s > high)) | ((vi)high & ~(s > high)));
+/* One group, V lanes wide: qt [d][V] the queries transposed (zeros past the last), low / high the
+ * lanes' first and last keys (an empty range for padding lanes). `scores` writes keys j0..j0+count-1
+ * (rows at rows[0..count-1], widened, d elements) into e [span][V] (key j at (j - first) * V);
+ * `softmax` then turns e's span keys into numerators and writes the lanes' sums. KEYS keys at once
+ * share the loads of qt and keep that many FMA chains in flight (4 measured best here, both widths). */
+#define KEYS 4
+#define DEFINE_GROUP(SCORES, SOFTMAX, VT, VIT, V, MADD, VEXP, SPLAT)                                              \
+    static void SCORES(const float *qt, const int32_t *low, const int32_t *high, int64_t d, float scale,    \
+                       int64_t first, int64_t j0, int64_t count, const float *const *rows, float *e) {        \
+        VIT lo, hi;                                                                                       \
+        memcpy(&lo, low, sizeof lo);                                                                      \
+        memcpy(&hi, high, sizeof hi);                                                                     \
+        for (int64_t j = 0; j < count; j += KEYS) {                                                       \
+            int64_t n = count - j < KEYS ? count - j : KEYS;                                              \
+            VT acc[KEYS];                                                                                 \
+            for (int t = 0; t < KEYS; t++) acc[t] = (VT){0};                                              \
+            if (n == KEYS) {                                                                              \
+                for (int64_t c = 0; c < d; c++) {                                                         \
+                    VT column;                                                                            \
+                    memcpy(&column, qt + c * V, sizeof column);                                           \
+                    for (int t = 0; t < KEYS; t++) acc[t] = MADD(SPLAT(rows[j + t][c]), column, acc[t]);      \
+                }                                                                                         \
+            } else {                                                                                      \
+                for (int t = 0; t < n; t++)                                                               \
+                    for (int64_t c = 0; c < d; c++) {                                                     \
+                        VT column;                                                                        \
+                        memcpy(&column, qt + c * V, sizeof column);                                       \
+                        acc[t] = MADD(SPLAT(rows[j + t][c]), column, acc[t]);                             \
+                    }                                                                                     \
+            }                                                                                             \
+            for (int t = 0; t < n; t++) {                                                                 \
+                VIT key = (VIT){0} + (int32_t)(j0 + j + t);                                               \
+                VIT seen = (key >= lo) & (key <= hi);                                                     \
+                VT score = acc[t] * SPLAT(scale);                                                         \
+                score = (VT)(((VIT)score & seen) | ((VIT)((VT){0} - INFINITY) & ~seen));                  \
+                memcpy(e + (j0 + j + t - first) * V, &score, sizeof score);                               \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    static void SOFTMAX(float *e, int64_t span, float *sums) {                                            \
+        VT top = (VT){0} - INFINITY; /* each lane's largest score (a max: any order, the same bits) */     \
+        for (int64_t j = 0; j < span; j++) {                                                              \
+            VT s;                                                                                         \
+            memcpy(&s, e + j * V, sizeof s);                                                              \
+            top = (VT)(((VIT)s & (s > top)) | ((VIT)top & ~(s > top)));                                   \
+        }                                                                                                 \
+        VT sum = (VT){0};                                                                                 \
+        for (int64_t j = 0; j < span; j++) {                                                              \
+            VT s;                                                                                         \
+            memcpy(&s, e + j * V, sizeof s);                                                              \
+            VT x = VEXP(s - top);                                                                         \
+            memcpy(e + j * V, &x, sizeof x);                                                              \
+            sum = sum + x;                                                                                \
+        }                                                                                                 \
+        memcpy(sums, &sum, sizeof sum);                                                                   \
     }
-    float lanes[W], top = -INFINITY;
-    store(lanes, high);
-    for (int j = 0; j < W; j++) top = lanes[j] > top ? lanes[j] : top;
-    vf acc = {0};
-    vf shift = splat(top);
-    for (int64_t j = 0; j < count; j += W) {
-        vf e = vexp(load(scores + j) - shift);
-        store(scores + j, e);
-        acc = acc + e;
-    }
-    return hsum(acc);
-}
+DEFINE_GROUP(scores16, softmax16, vf, vi, W, madd, vexp16, splat)
+DEFINE_GROUP(scores8, softmax8, v8, v8i, G8, madd8, vexp8, splat8)
 
 static inline int64_t lowest_key(int64_t position, int64_t window) {
     return window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
 }
 
+/* Row `index` of a float32 or float16 cache whose rows are d elements. */
+static inline void *cache_row(void *base, int64_t half, int64_t index, int64_t d) {
+    return (char *)base + (size_t)(index * d) * (half ? sizeof(uint16_t) : sizeof(float));
+}
+
+/* Ask for the cache rows of the block of 16 starting at `from` (up to `last`) ahead of their use:
+ * the blocks are streamed from memory once per task, and the work on one block hides the next
+ * ones' latency. (Speed only.) */
+#define PREFETCH_BLOCKS 4
+static inline void fetch_ahead(void *base, int64_t half, int64_t from, int64_t last, int64_t d) {
+    if (from > last) return;
+    int64_t count = last - from + 1 < W ? last - from + 1 : W;
+    const char *p = cache_row(base, half, from, d), *end = cache_row(base, half, from + count, d);
+    for (; p < end; p += 64) __builtin_prefetch(p);
+}
+
 /* One (lane, kv head) task: the `group` query heads that read kv head over rows 0..rows-1 at
- * positions start.., keys / values [capacity, d]. Query r is row r / group, head r % group (at
- * q + row * q_stride + head * d). Keys go by blocks of 16, read once for all queries; a query's
- * scores sit at offsets from its own first key, so its softmax never depends on the others. */
+ * positions start.., keys / values [capacity, d] (float32, or float16 when `half`). Query r is row
+ * r / group, head r % group (at q + row * q_stride + head * d). `new_keys` / `new_values` (row
+ * strides k_stride / v_stride), when given, are the rows' own keys and values, stored at positions
+ * start.. first. The keys are widened once for the task; the queries go by groups (above); the
+ * values go by blocks of 16, widened once and read for every query of the task. */
 static inline __attribute__((always_inline)) void attend_lane_group(
-    const float *q, int64_t q_stride, int64_t group, float *out, const float *keys, const float *values,
-    int64_t rows, int64_t start, int64_t d, float scale, int64_t window, const float *zeros) {
+    const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
+    int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
+    const float *new_keys, int64_t k_stride, const float *new_values, int64_t v_stride) {
+    if (new_keys)
+        for (int64_t r = 0; r < rows; r++) {
+            narrow(new_keys + r * k_stride, half, d, cache_row(keys, half, start + r, d));
+            narrow(new_values + r * v_stride, half, d, cache_row(values, half, start + r, d));
+        }
     int64_t queries = rows * group, first = lowest_key(start, window), last = start + rows - 1;
-    int64_t span = ((last - first + 1 + W - 1) / W) * W; /* a query's scores, padded to whole chunks */
-    float *scores = malloc(sizeof(float) * (size_t)(span * queries));
+    int64_t span = last - first + 1, groups = (queries + W - 1) / W, rest = queries % W;
+    int64_t lanes = (queries / W) * W + (rest > G8 ? W : rest ? G8 : 0); /* every group's lanes */
+    float *e = malloc(sizeof(float) * (size_t)(span * lanes)); /* numerators, group after group */
+    float *sums = malloc(sizeof(float) * (size_t)lanes);
+    float *qt = malloc(sizeof(float) * (size_t)(d * lanes)); /* each group's queries, transposed */
+    int32_t *bounds = malloc(sizeof(int32_t) * (size_t)(2 * lanes)); /* each lane's first and last key */
     float *acc = calloc((size_t)(queries * d), sizeof(float));
-    float *sums = malloc(sizeof(float) * (size_t)queries);
-    if (!scores || !acc || !sums) abort();
-    for (int64_t i = 0; i < queries * span; i++) scores[i] = -INFINITY;
-    int64_t whole = d - d % W;
-    for (int64_t j0 = first; j0 <= last; j0 += W) {
-        const float *block[W];
-        for (int j = 0; j < W; j++) block[j] = j0 + j <= last ? keys + (j0 + j) * d : zeros;
-        for (int64_t r = 0; r < queries; r++) {
-            int64_t p = start + r / group, low = lowest_key(p, window);
-            if (j0 > p || j0 + W <= low) continue;
-            float dots[W];
-            block_dots(q + (r / group) * q_stride + (r % group) * d, block, d, dots);
-            for (int j = 0; j < W; j++)
-                if (j0 + j >= low && j0 + j <= p) scores[r * span + (j0 + j - low)] = dots[j] * scale;
+    float *wide = half ? malloc(sizeof(float) * (size_t)(W * d)) : NULL; /* one block, widened */
+    if ((half && !wide) || !e || !sums || !qt || !bounds || !acc) abort();
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t q0 = g * W, count = queries - q0 < W ? queries - q0 : W, v = count > G8 ? W : G8;
+        for (int64_t i = 0; i < v; i++) {
+            int64_t p = start + (q0 + i) / group;
+            bounds[2 * q0 + i] = i < count ? (int32_t)lowest_key(p, window) : 1; /* padding lanes: no key */
+            bounds[2 * q0 + v + i] = i < count ? (int32_t)p : 0;
+            for (int64_t c = 0; c < d; c++)
+                qt[q0 * d + c * v + i] = i < count ? q[((q0 + i) / group) * q_stride + ((q0 + i) % group) * d + c] : 0.0f;
         }
     }
-    for (int64_t r = 0; r < queries; r++) {
-        int64_t p = start + r / group;
-        sums[r] = softmax_numerators(scores + r * span, p - lowest_key(p, window) + 1);
+    for (int64_t j0 = first; j0 <= last; j0 += W) { /* a block of keys, read (and widened) once for all queries */
+        int64_t count = last - j0 + 1 < W ? last - j0 + 1 : W;
+        const float *rows_of[W];
+        fetch_ahead(keys, half, j0 + PREFETCH_BLOCKS * W, last, d);
+        if (half) widen(cache_row(keys, half, j0, d), half, count * d, wide);
+        for (int64_t j = 0; j < count; j++)
+            rows_of[j] = half ? wide + j * d : (const float *)cache_row(keys, half, j0 + j, d);
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t q0 = g * W, v = queries - q0 > G8 ? W : G8;
+            if (v == W)
+                scores16(qt + q0 * d, bounds + 2 * q0, bounds + 2 * q0 + v, d, scale, first, j0, count, rows_of,
+                         e + q0 * span);
+            else
+                scores8(qt + q0 * d, bounds + 2 * q0, bounds + 2 * q0 + v, d, scale, first, j0, count, rows_of,
+                        e + q0 * span);
+        }
     }
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t q0 = g * W;
+        if (queries - q0 > G8) softmax16(e + q0 * span, span, sums + q0);
+        else softmax8(e + q0 * span, span, sums + q0);
+    }
+    int64_t whole = d - d % W;
     for (int64_t j0 = first; j0 <= last; j0 += W) { /* a block of values, read once for all queries */
+        int64_t count = last - j0 + 1 < W ? last - j0 + 1 : W;
+        const float *block = half ? wide : (const float *)cache_row(values, half, j0, d); /* value j0 + j at j * d */
+        fetch_ahead(values, half, j0 + PREFETCH_BLOCKS * W, last, d);
+        if (half) widen(cache_row(values, half, j0, d), half, count * d, wide);
         for (int64_t r = 0; r < queries; r++) {
             int64_t p = start + r / group, low = lowest_key(p, window);
             int64_t from = j0 > low ? j0 : low, to = j0 + W - 1 < p ? j0 + W - 1 : p;
-            const float *e = scores + r * span - low;
+            int64_t lane = r % W, v = queries - (r - lane) > G8 ? W : G8; /* its group's width */
+            const float *weights = e + (r - lane) * span + lane; /* key j's at (j - first) * v */
             float *a = acc + r * d;
             for (int64_t c0 = 0; c0 < whole; c0 += CHUNKS * W) { /* per element: keys in ascending order */
                 int64_t chunks = (whole - c0) / W < CHUNKS ? (whole - c0) / W : CHUNKS;
                 vf part[CHUNKS];
                 for (int64_t c = 0; c < chunks; c++) part[c] = load(a + c0 + c * W);
                 for (int64_t j = from; j <= to; j++) {
-                    vf weight = splat(e[j]);
-                    const float *v = values + j * d + c0;
-                    for (int64_t c = 0; c < chunks; c++) part[c] = madd(weight, load(v + c * W), part[c]);
+                    vf weight = splat(weights[(j - first) * v]);
+                    const float *x = block + (j - j0) * d + c0;
+                    for (int64_t c = 0; c < chunks; c++) part[c] = madd(weight, load(x + c * W), part[c]);
                 }
                 for (int64_t c = 0; c < chunks; c++) store(a + c0 + c * W, part[c]);
             }
             for (int64_t c = whole; c < d; c++)
-                for (int64_t j = from; j <= to; j++) a[c] = a[c] + e[j] * values[j * d + c];
+                for (int64_t j = from; j <= to; j++) a[c] = a[c] + weights[(j - first) * v] * block[(j - j0) * d + c];
         }
     }
     for (int64_t r = 0; r < queries; r++) {
         float *o = out + (r / group) * q_stride + (r % group) * d;
-        for (int64_t c = 0; c < d; c++) o[c] = acc[r * d + c] / sums[r];
+        float total = sums[r]; /* lane r % 16 of its group: groups start at multiples of 16 */
+        for (int64_t c = 0; c < d; c++) o[c] = acc[r * d + c] / total;
     }
-    free(scores);
-    free(acc);
+    free(e);
     free(sums);
+    free(qt);
+    free(bounds);
+    free(acc);
+    free(wide);
 }
 
-/* attend_lane_group compiled for the common head sizes as constants (the query's chunks stay in
- * registers, loops unroll); the same source order of operations, so the same bits as the generic one. */
-static void attend_task(const float *q, int64_t q_stride, int64_t group, float *out, const float *keys,
-                        const float *values, int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
-                        const float *zeros) {
+/* attend_lane_group compiled for the common head sizes as constants (loops unroll); the same
+ * source order of operations, so the same bits as the generic one. */
+#define ATTEND(D) attend_lane_group(q, q_stride, group, out, keys, values, half, rows, start, D, scale, window, \
+                                    new_keys, k_stride, new_values, v_stride)
+static void attend_task(const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values,
+                        int64_t half, int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
+                        const float *new_keys, int64_t k_stride, const float *new_values, int64_t v_stride) {
     switch (d) {
-    case 64: attend_lane_group(q, q_stride, group, out, keys, values, rows, start, 64, scale, window, zeros); break;
-    case 128: attend_lane_group(q, q_stride, group, out, keys, values, rows, start, 128, scale, window, zeros); break;
-    case 256: attend_lane_group(q, q_stride, group, out, keys, values, rows, start, 256, scale, window, zeros); break;
-    default: attend_lane_group(q, q_stride, group, out, keys, values, rows, start, d, scale, window, zeros);
+    case 64: ATTEND(64); break;
+    case 128: ATTEND(128); break;
+    case 256: ATTEND(256); break;
+    default: ATTEND(d);
     }
 }
 
-/* q, out [m, heads, d] float32: the pass's rows, lane after lane. Lane l holds rows
- * begin[l]..begin[l]+rows[l] at positions start[l].., and its cache's keys / values
- * [kv_heads, capacity[l], d] at the addresses keys[l] / values[l]. Head h reads kv head
- * h / (heads / kv_heads). window > 0: a row at position p sees keys max(0, p-window+1)..p. */
+struct attention_job {
+    const float *q;
+    float *out;
+    int64_t heads, kv_heads, d;
+    const int64_t *begin, *rows, *start, *capacity, *keys, *values;
+    float scale;
+    int64_t window, half;
+    const float *new_keys, *new_values;
+    int64_t k_stride, v_stride;
+};
+
+/* Task t: lane t / kv_heads, kv head t % kv_heads. */
+static void attention_task(void *context, int64_t t) {
+    const struct attention_job *job = context;
+    int64_t heads = job->heads, kv_heads = job->kv_heads, d = job->d, group = heads / kv_heads, half = job->half;
+    int64_t l = t / kv_heads, kv = t % kv_heads, offset = kv * job->capacity[l];
+    int64_t first = (job->begin[l] * heads + kv * group) * d; /* row begin[l], head kv * group */
+    void *lane_keys = cache_row((void *)(intptr_t)job->keys[l], half, offset, d);
+    void *lane_values = cache_row((void *)(intptr_t)job->values[l], half, offset, d);
+    const float *new_keys = job->new_keys ? job->new_keys + job->begin[l] * job->k_stride + kv * d : NULL;
+    const float *new_values = job->new_values ? job->new_values + job->begin[l] * job->v_stride + kv * d : NULL;
+    attend_task(job->q + first, heads * d, group, job->out + first, lane_keys, lane_values, half, job->rows[l],
+                job->start[l], d, job->scale, job->window, new_keys, job->k_stride, new_values,
+                job->v_stride);
+}
+
 void lane_attention(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t lanes,
                     const int64_t *begin, const int64_t *rows, const int64_t *start, const int64_t *capacity,
-                    const int64_t *keys, const int64_t *values, float scale, int64_t window, int threads) {
-    int64_t group = heads / kv_heads, tasks = lanes * kv_heads;
-    float *zeros = calloc((size_t)d, sizeof(float)); /* the keys past a lane's last, in its final block */
-    if (!zeros) abort();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t t = 0; t < tasks; t++) {
-        int64_t l = t / kv_heads, kv = t % kv_heads, offset = kv * capacity[l] * d;
-        int64_t first = (begin[l] * heads + kv * group) * d; /* row begin[l], head kv * group */
-        attend_task(q + first, heads * d, group, out + first, (const float *)(intptr_t)keys[l] + offset,
-                    (const float *)(intptr_t)values[l] + offset, rows[l], start[l], d, scale, window, zeros);
-    }
-    free(zeros);
+                    const int64_t *keys, const int64_t *values, float scale, int64_t window, int threads,
+                    int64_t half, const float *new_keys, int64_t k_stride, const float *new_values,
+                    int64_t v_stride) {
+    struct attention_job job = {q, out, heads, kv_heads, d, begin, rows, start, capacity, keys, values, scale,
+                                window, half, new_keys, new_values, k_stride, v_stride};
+    pool_for(threads, lanes * kv_heads, attention_task, &job);
 }

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from agentfold.engine.torch.models import ops
+from agentfold.engine.torch.models.cache import LayerCache
+from agentfold.engine.torch.models.llama import Lane, LayerLanes
 from agentfold.kernels import native, torch_cpu
 
 pytestmark = pytest.mark.skipif(torch_cpu.lane_library() is None, reason="no C compiler here")
@@ -25,22 +27,24 @@ CASES = [
 ]
 
 
-def _pass(heads: int, kv_heads: int, d: int, shape: list[tuple[int, int]], seed: int = 0):
+def _pass(heads: int, kv_heads: int, d: int, shape: list[tuple[int, int]], seed: int = 0,
+          dtype: torch.dtype = torch.float32):
     """Query rows for a pass and each lane's (begin, rows, start, keys, values) on its own cache."""
     generator = torch.Generator().manual_seed(seed)
     lanes, begin = [], 0
     for length, rows in shape:
         capacity = -(-(length + rows) // 256) * 256
-        keys = torch.randn(kv_heads, capacity, d, generator=generator)
-        values = torch.randn(kv_heads, capacity, d, generator=generator)
+        keys = torch.randn(kv_heads, capacity, d, generator=generator).to(dtype)
+        values = torch.randn(kv_heads, capacity, d, generator=generator).to(dtype)
         lanes.append((begin, rows, length, keys, values))
         begin += rows
     return torch.randn(begin, heads, d, generator=generator), lanes
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,d,window,shape", CASES, ids=[f"d{c[2]}-{len(c[4])}lanes" for c in CASES])
-def test_every_row_equals_its_one_row_call(heads, kv_heads, d, window, shape, threads):
-    q, lanes = _pass(heads, kv_heads, d, shape)
+def test_every_row_equals_its_one_row_call(heads, kv_heads, d, window, shape, dtype, threads):
+    q, lanes = _pass(heads, kv_heads, d, shape, dtype=dtype)
     together = torch_cpu.lane_attention(q, lanes, 0.125, window)
     for begin, rows, start, keys, values in lanes:
         for i in range(rows):
@@ -89,19 +93,66 @@ def test_it_declines_what_it_does_not_cover():
     assert torch_cpu.attention_kernel().startswith("lane_attention.c")
 
 
-def test_without_the_library_each_lane_runs_torch_attention(monkeypatch):
-    """`ops.lane_attention` falls back to torch's attention lane by lane: the same numbers."""
-    q, lanes = _pass(9, 3, 64, [(100, 6), (37, 3)], seed=3)
-    native_out = ops.lane_attention(q, lanes, 0.125)
+def _layer_lanes(heads: int, kv_heads: int, d: int, shape: list[tuple[int, int]], dtype: torch.dtype, seed: int):
+    """A pass over LayerCaches holding random contexts: q and the rows' own k, v, the caches, the spans."""
+    generator = torch.Generator().manual_seed(seed)
+    caches, spans, begin = [], [], 0
+    for length, rows in shape:
+        cache = LayerCache(kv_heads, d, dtype, torch.device("cpu"))
+        cache.write(0, *(torch.randn(kv_heads, length, d, generator=generator) for _ in range(2)))
+        cache.reserve(length + rows)
+        caches.append(cache)
+        spans.append((begin, rows, length))
+        begin += rows
+    q, k, v = (torch.randn(begin, h, d, generator=generator) for h in (heads, kv_heads, kv_heads))
+    return q, k, v, caches, spans
+
+
+def _attend(q, k, v, caches, spans, scale=0.125, window=None):
+    table = ops.lane_table(q.shape[0], spans, [caches])
+    lanes = [Lane(begin, rows, cache, start) for (begin, rows, start), cache in zip(spans, caches, strict=True)]
+    positions = torch.cat([torch.arange(start, start + rows) for _, rows, start in spans])
+    end = max(start + rows for _, rows, start in spans)
+    return ops.attend_lanes(q, k, v, LayerLanes(lanes, positions, end, table, 0), scale, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_without_the_library_each_lane_runs_torch_attention(monkeypatch, dtype):
+    """`ops.attend_lanes` falls back to storing each lane and torch's attention lane by lane: the
+    same numbers, and the caches hold the same bits (the C kernel rounds to float16 as torch does)."""
+    q, k, v, caches, spans = _layer_lanes(9, 3, 64, [(100, 6), (37, 3)], dtype, seed=3)
+    native_out = _attend(q, k, v, caches, spans)
+    stored = [cache.read(start + rows) for cache, (_, rows, start) in zip(caches, spans, strict=True)]
+    q, k, v, caches, spans = _layer_lanes(9, 3, 64, [(100, 6), (37, 3)], dtype, seed=3)
     monkeypatch.setattr(torch_cpu, "lane_library", lambda: None)
-    torch_out = ops.lane_attention(q, lanes, 0.125)
+    assert ops.lane_table(q.shape[0], spans, [caches]) is None
+    torch_out = _attend(q, k, v, caches, spans)
     assert torch.allclose(native_out, torch_out, atol=2e-6, rtol=1e-5) and not torch.equal(native_out, torch_out)
+    for (keys, values), cache, (_, rows, start) in zip(stored, caches, spans, strict=True):
+        assert [torch.equal(a, b) for a, b in zip((keys, values), cache.read(start + rows), strict=True)] == [True] * 2
     assert torch_cpu.attention_kernel() == "torch per row"
+
+
+def test_float16_is_stored_as_torch_rounds_it():
+    """The kernel's own float32 -> float16 narrowing (vector and scalar tail) gives torch's bits
+    everywhere: normals, ties, subnormals, overflow to inf, signed zeros."""
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, -70000.0, 2.0**-14, 2.0**-24, 2.0**-25,
+                            1.5 * 2.0**-25, 3 * 2.0**-26, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, float("inf"), 1e-40])
+    values = torch.cat([special, torch.randn(4093, generator=torch.Generator().manual_seed(5)) * 10.0 ** torch.randint(
+        -9, 5, (4093,), generator=torch.Generator().manual_seed(6))])
+    d = values.numel()  # one row of d elements: 16-wide vectors, then a tail
+    cache = LayerCache(1, d, torch.float16, torch.device("cpu"))
+    cache.reserve(1)
+    q, rows = torch.zeros(1, 1, d), values.view(1, 1, d)
+    table = ops.lane_table(1, [(0, 1, 0)], [[cache]])
+    table.attend(0, q, rows, rows, 1.0, None)
+    keys, _ = cache.read(1)
+    assert torch.equal(keys[0, 0].view(torch.int16), values.to(torch.float16).view(torch.int16))
 
 
 def test_the_library_builds_where_a_compiler_is(tmp_path):
     assert native.compiler() is not None
-    assert native.build("lane_attention", ["-fopenmp"], folder=tmp_path) is not None
+    assert native.build(folder=tmp_path) is not None
 
 
 def test_a_strided_cache_gives_the_same_bits():

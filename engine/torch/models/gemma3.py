@@ -18,7 +18,6 @@ truncation and snapshots stay the llama ones: lowering a length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from agentfold.engine.torch.models import ops
-from agentfold.engine.torch.models.llama import MLP, Attention, Lane, ModelArgs, RMSNorm, Rope, Transformer
+from agentfold.engine.torch.models.llama import MLP, Attention, LayerLanes, ModelArgs, RMSNorm, Rope, Transformer
 
 LOCAL_THETA, GLOBAL_THETA = 10_000.0, 1_000_000.0  # transformers' Gemma3TextConfig defaults
 
@@ -35,7 +34,7 @@ class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + weight), in float32, as Hugging Face's Gemma3RMSNorm."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, 1.0 + self.weight.float(), self.eps)
+        return ops.rms_norm(x, self.weight, self.eps, add_one=True)
 
 
 @dataclass
@@ -90,10 +89,10 @@ class DecoderLayer(nn.Module):
         self.self_attn.window = layout.window if self.sliding else None
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = MLP(hidden, args.intermediate_size, activation=ops.gelu_tanh)
+        self.mlp = MLP(hidden, args.intermediate_size, gated=ops.gelu_tanh_mul)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, x: torch.Tensor, lanes: Sequence[Lane], rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lanes: LayerLanes, rope: Rope) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), lanes, rope)
         h = x + self.post_attention_layernorm(attended)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))

@@ -8,7 +8,7 @@ so a safetensors state dict loads as is.
 
 Family differences are flags: Qwen2 has q/k/v biases, Qwen3 RMS-normalizes q and k per head,
 SmolLM2 ties the output head to the embedding. Gemma 3 (`gemma3`) reuses these pieces through
-their hooks: the norm class, the MLP's activation, an attention window and scale, a per-layer
+their hooks: the norm class, the MLP's gated activation, an attention window and scale, a per-layer
 RoPE table and a scaled embedding.
 """
 
@@ -88,14 +88,27 @@ class SequencePass:
 
 @dataclass(frozen=True)
 class Lane:
-    """A `SequencePass` as one layer sees it: rows begin..begin+rows of the pass, that layer's
-    cache, and the rows' absolute positions (a device tensor)."""
+    """A `SequencePass` as one layer sees it: rows begin..begin+rows of the pass at positions
+    start.., and that layer's cache."""
 
     begin: int
     rows: int
     cache: LayerCache
     start: int
+
+
+@dataclass(frozen=True)
+class LayerLanes:
+    """A pass's lanes as one layer sees them, with what every layer of the pass shares: the rows'
+    absolute positions (one tensor), one past the highest, and the C attention's table of the
+    lanes (`ops.lane_table`; None where the pass runs attention lane by lane) with this layer's
+    slot in it."""
+
+    lanes: list[Lane]
     positions: torch.Tensor
+    end: int
+    table: Any
+    slot: int
 
 
 class Linear(nn.Module):
@@ -163,6 +176,10 @@ class Rope(nn.Module):
         `end`), in float32: per element the same arithmetic whichever rows share the call."""
         if end > self.cos.shape[0]:
             self._grow(end)
+        if x.dtype == torch.float32:
+            rotated = ops.rope(x, positions, self.cos, self.sin)  # CPU: one C call, the same bits
+            if rotated is not None:
+                return rotated
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         xf = x.float()
         half = xf.shape[-1] // 2
@@ -187,10 +204,10 @@ class Attention(nn.Module):
         self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.qkv: Fused | None = None  # q, k, v in one GEMM (int8 weights: one quantization of x)
 
-    def forward(self, x: torch.Tensor, lanes: Sequence[Lane], rope: Rope) -> torch.Tensor:
-        """x [m, hidden]: the rows of every lane. The projections run over all rows at once (a
-        linear layer's row is independent of the others), RoPE, the cache write and attention per
-        lane, on that lane's positions and its own cache."""
+    def forward(self, x: torch.Tensor, lanes: LayerLanes, rope: Rope) -> torch.Tensor:
+        """x [m, hidden]: the rows of every lane. The projections and RoPE run over all rows at once
+        (a row's arithmetic is independent of the others, and RoPE takes each row's own position);
+        each lane's rows are stored in and attend to its own cache (`ops.attend_lanes`)."""
         m, d = x.shape[0], self.head_dim
         if self.qkv is not None:
             q, k, v = self.qkv(x)
@@ -200,24 +217,19 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, d)).view(m, self.heads, d)
             k = self.k_norm(k.reshape(-1, d)).view(m, self.kv_heads, d)
-        positions = lanes[0].positions if len(lanes) == 1 else torch.cat([lane.positions for lane in lanes])
-        end = max(lane.start + lane.rows for lane in lanes)
-        q, k = rope(q, positions, end), rope(k, positions, end)  # elementwise: all lanes in one call
-        for lane in lanes:
-            rows = slice(lane.begin, lane.begin + lane.rows)
-            lane.cache.write(lane.start, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
-        out = ops.lane_attention(q, [(lane.begin, lane.rows, lane.start, lane.cache.keys, lane.cache.values)
-                                     for lane in lanes], self.scale, self.window)
+        q, k = rope(q, lanes.positions, lanes.end), rope(k, lanes.positions, lanes.end)
+        out = ops.attend_lanes(q, k, v, lanes, self.scale, self.window)
         return self.o_proj(out.reshape(m, self.heads * d))
 
 
 class MLP(nn.Module):
-    """Gated feed-forward: down(activation(gate(x)) * up(x)); SwiGLU unless told (Gemma: GELU-tanh)."""
+    """Gated feed-forward: down(gated(gate(x), up(x))), gated = activation(gate) * up; SwiGLU unless
+    told (Gemma: GELU-tanh)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False,
-                 activation: Callable[[torch.Tensor], torch.Tensor] = ops.silu) -> None:
+                 gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = ops.silu_mul) -> None:
         super().__init__()
-        self.activation = activation
+        self.gated = gated
         self.gate_proj = Linear(hidden, intermediate, bias)
         self.up_proj = Linear(hidden, intermediate, bias)
         self.down_proj = Linear(intermediate, hidden, bias)
@@ -225,7 +237,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(self.activation(gate) * up)
+        return self.down_proj(self.gated(gate, up))
 
 
 class Fused(nn.Module):
@@ -254,7 +266,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, lanes: Sequence[Lane], rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lanes: LayerLanes, rope: Rope) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), lanes, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -273,6 +285,7 @@ class Transformer(nn.Module):
     """A decoder-only model over one sequence with a static KV cache."""
 
     norm_class: type[RMSNorm] = RMSNorm  # the final norm's class (Gemma: its 1 + weight norm)
+    cache_dtype: torch.dtype | None = None  # the KV cache's dtype (None: the weights'; the CPU int8 path: float16)
 
     def __init__(self, args: ModelArgs, layers: list[nn.Module] | None = None) -> None:
         super().__init__()
@@ -310,25 +323,30 @@ class Transformer(nn.Module):
                     final: list[torch.Tensor] | None = None) -> Iterator[None]:
         """Decoder layers `layers` over hidden states h [m, hidden] (the rows of `passes`, in
         turn), yielding after each: the whole model, or a pipeline stage's share of it."""
-        lanes, begin = [], 0
+        spans, begin = [], 0
         for one in passes:
-            positions = torch.arange(one.start, one.start + one.rows, device=h.device)
-            lanes.append((begin, one, positions))
+            spans.append((begin, one.rows, one.start))
             begin += one.rows
+            for index in layers:  # room for the pass's rows now: no cache moves while the pass runs
+                one.caches[index].reserve(one.start + one.rows)
         if begin != h.shape[0]:
             raise ValueError(f"the passes hold {begin} rows, the hidden states {h.shape[0]}")
-        for index in layers:
+        positions = torch.cat([torch.arange(one.start, one.start + one.rows) for one in passes]).to(h.device)
+        end = max(one.start + one.rows for one in passes)
+        table = ops.lane_table(begin, spans, [[one.caches[index] for one in passes] for index in layers])
+        for slot, index in enumerate(layers):
             layer = self.model.layers[index]
-            layer_lanes = [Lane(first, one.rows, one.caches[index], one.start, positions)
-                           for first, one, positions in lanes]
-            h = layer(h, layer_lanes, self.rope_for(layer))
+            layer_lanes = [Lane(first, one.rows, one.caches[index], one.start)
+                           for (first, _, _), one in zip(spans, passes, strict=True)]
+            h = layer(h, LayerLanes(layer_lanes, positions, end, table, slot), self.rope_for(layer))
             yield
         if final is not None:
             final.append(h)
 
     def make_cache(self) -> list[LayerCache]:
         weight = self.model.embed_tokens.weight
-        return [LayerCache(self.args.num_key_value_heads, self.args.head_dim, weight.dtype, weight.device)
+        dtype = self.cache_dtype or weight.dtype
+        return [LayerCache(self.args.num_key_value_heads, self.args.head_dim, dtype, weight.device)
                 for _ in self.model.layers]
 
     def forward(self, tokens: torch.Tensor, cache: list[LayerCache], start: int,

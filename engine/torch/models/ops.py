@@ -13,13 +13,16 @@ CUDA; CPU decode and verify rows take the window in the lane attention kernel.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from agentfold.kernels import int8_linear, torch_cpu
+from agentfold.kernels import int8_linear, rowwise, torch_cpu
 from agentfold.kernels.int8_linear import Int8Weight
-from agentfold.kernels.torch_cpu import LaneKV
+
+if TYPE_CHECKING:
+    from agentfold.engine.torch.models.cache import LayerCache
 
 WINDOW_BLOCK = 32  # query rows per windowed prefill block (see `windowed_attention`)
 
@@ -39,8 +42,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tenso
     return y + bias if bias is not None else y
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Root-mean-square norm of each row of x [m, d], times weight [d]."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add_one: bool = False) -> torch.Tensor:
+    """Root-mean-square norm of each row of x [m, d], times weight [d] (`add_one`: times 1 + weight,
+    Gemma's norm). CPU float32: one C call (`kernels.rowwise`, row-exact by construction)."""
+    if not x.is_cuda:
+        out = rowwise.rms_norm(x, weight, eps, add_one)
+        if out is not None:
+            return out
+    weight = 1.0 + weight.float() if add_one else weight
     return _triton().rms_norm(x, weight, eps) if x.is_cuda else torch_cpu.rms_norm(x, weight, eps)
 
 
@@ -54,6 +63,32 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return F.gelu(x, approximate="tanh")
     return torch_cpu.rowwise(lambda rows: F.gelu(rows, approximate="tanh"), x, transcendental=True)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate, up [m, n] (a SwiGLU MLP's hidden rows). CPU float32: one C call
+    (`kernels.rowwise`: its own exp, the same instructions for every element)."""
+    if not gate.is_cuda:
+        out = rowwise.silu_mul(gate, up)
+        if out is not None:
+            return out
+    return silu(gate) * up
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate, up [m, n] (Gemma's MLP). CPU float32: one C call (`kernels.rowwise`)."""
+    if not gate.is_cuda:
+        out = rowwise.gelu_tanh_mul(gate, up)
+        if out is not None:
+            return out
+    return gelu_tanh(gate) * up
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Hugging Face's half-split rotary embedding of x [m, heads, d] by the [L, d] tables at each
+    row's position, in one C call on CPU float32 (the bits of the torch expression in `Rope`);
+    None where that does not apply (the caller runs the torch expression)."""
+    return None if x.is_cuda else rowwise.rope(x, positions, cos, sin)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -76,20 +111,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
     return torch_cpu.attention(q, k, v, q_positions, scale)
 
 
-def lane_attention(q: torch.Tensor, lanes: Sequence[LaneKV], scale: float, window: int | None = None) -> torch.Tensor:
-    """Causal attention of a pass's rows, lane by lane: q [m, heads, d] holds each lane's rows in
-    turn; lane (begin, rows, start, keys, values) has rows begin..begin+rows at positions start..
-    over its own cache's keys / values [kv_heads, capacity, d]. -> [m, heads, d]. On CPU decode and
-    verify passes run every lane in one row-exact C call; otherwise `attention` per lane."""
-    if not q.is_cuda:
-        out = torch_cpu.lane_attention(q, lanes, scale, window)
-        if out is not None:
-            return out
+def lane_table(rows: int, spans: Sequence[tuple[int, int, int]], caches: Sequence[Sequence[LayerCache]]) -> Any:
+    """What a pass of `rows` rows (lanes `spans`: begin, rows, start) keeps for its layers'
+    attention, `caches[slot][lane]` each layer's caches: on CPU the C kernel's table of the lanes
+    (`torch_cpu.LaneTable`), built once for every layer; None where attention runs lane by lane
+    (CUDA, prefill chunks, wide passes, no compiler)."""
+    if not caches or not caches[0] or caches[0][0].keys.device.type != "cpu":
+        return None
+    return torch_cpu.lane_table(rows, spans, [[(cache.keys, cache.values) for cache in layer] for layer in caches])
+
+
+def attend_lanes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lanes: Any, scale: float,
+                 window: int | None = None) -> torch.Tensor:
+    """Causal attention of a pass's rows, lane by lane (`lanes`: a `llama.LayerLanes`): q [m, heads,
+    d], k, v [m, kv_heads, d] hold each lane's rows in turn; a lane's keys and values are stored in
+    its own cache at its positions, and its rows attend to that cache's keys 0..position (with a
+    `window`, the last `window`). -> [m, heads, d]. On CPU decode and verify passes run every lane
+    in one row-exact C call; otherwise each lane is written and runs `attention` on its own."""
+    if lanes.table is not None and q.dtype == torch.float32:
+        return lanes.table.attend(lanes.slot, q, k, v, scale, window)
     outputs = []
-    for begin, rows, start, keys, values in lanes:
-        positions = torch.arange(start, start + rows, device=q.device)
-        outputs.append(attention(q[begin : begin + rows].transpose(0, 1).contiguous(), keys[:, : start + rows],
-                                 values[:, : start + rows], positions, scale, window))
+    for lane in lanes.lanes:
+        rows = slice(lane.begin, lane.begin + lane.rows)
+        lane.cache.write(lane.start, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
+        end = lane.start + lane.rows
+        keys, values = lane.cache.read(end)
+        if keys.dtype != q.dtype:  # a float16 cache under float32 queries: widened (exactly) for torch's matmul
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        positions = torch.arange(lane.start, end, device=q.device)
+        outputs.append(attention(q[rows].transpose(0, 1).contiguous(), keys, values, positions, scale, window))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)).transpose(0, 1)
 
 

@@ -48,7 +48,7 @@ class ReferenceExperts:
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         w = self.weights
         gate, up, down = (p[e].to(x.device, x.dtype) for p in (w.gate_proj, w.up_proj, w.down_proj))
-        return ops.linear(ops.silu(ops.linear(x, gate)) * ops.linear(x, up), down)
+        return ops.linear(ops.silu_mul(ops.linear(x, gate), ops.linear(x, up)), down)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape

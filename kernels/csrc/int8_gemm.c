@@ -1,0 +1,430 @@
+/* An exact int8 x int8 -> int32 GEMM for the CPU linear layers: C[m, n] = sum_k A[m, k] * W[n, k].
+ *
+ * It replaces torch._int_mm(A, W.t()) without changing a bit: every product and partial sum is an
+ * integer that int32 holds exactly (bounds per path below), so blocking, vector width, thread count
+ * and the order of summation cannot change the result: integer addition is associative. Exactness
+ * could only be lost to saturation or overflow, and no path here saturates or overflows.
+ *
+ * The weight is packed once (int8_gemm_pack) into blocks of 16 output channels with K in groups of
+ * 4 bytes, packed[block][group][16][4] (K padded to a multiple of 4 and N to a multiple of 16, with
+ * zeros: a zero weight adds nothing), so that one 64-byte vector holds 4 consecutive k of 16
+ * channels: the operand layout of AVX-512 VNNI's vpdpbusd, which adds 4 u8 x s8 products into each
+ * int32 lane.
+ *
+ * Paths (int8_gemm_isa() says which one was compiled):
+ *   2  AVX-512 VNNI. vpdpbusd takes unsigned bytes on one side, so A is offset to A + 128 (A xor 0x80,
+ *      in [0, 255]) and 128 * colsum(W[n]) is subtracted at the end:
+ *          sum_k (A + 128) W = sum_k A W + 128 sum_k W      (an identity of integers).
+ *      vpdpbusd (not the saturating vpdpbusds) adds modulo 2^32, and nothing even wraps: every partial
+ *      sum is bounded by 255 * 127 * K < 2^31 for K < 66,000, and 128 * |colsum| <= 128 * 127 * K.
+ *      (Beyond that, arithmetic modulo 2^32 would still give the exact result, which fits in int32.)
+ *   1  AVX2. vpmaddubsw would SATURATE to int16 (255 * 127 * 2 > 32767), so this path does not use
+ *      it: both operands are sign-extended to int16 and multiplied with vpmaddwd, whose pair sums
+ *      (|a w + a' w'| <= 2 * 128 * 128) and int32 accumulations are exact.
+ *   0  portable C: int32 multiply-adds of the signed values, the same integers.
+ * Define INT8_GEMM_FORCE_ISA=0 or 1 to compile a lower path (the tests check every path this way).
+ *
+ * Speed (AVX-512 path). The weights are the big operand at decode sizes, A is small and stays in
+ * cache, so each weight vector is read from memory once per call for all M rows. A thread takes a
+ * contiguous range of 16-channel blocks (threads split N, so at small M every core streams memory),
+ * processes up to 4 blocks at once (a "panel") and, for each panel, every tile of up to 6 rows (8 or
+ * 12 for a narrower panel), with up to 24 zmm accumulators; the rows are split into tiles of equal
+ * size (within one). The panel's first pass prefetches its own streams ahead; with several passes,
+ * each one also prefetches a share of the next panel into L2, so the memory reads of the next panel
+ * overlap the compute of this one (at M = 32..128 the kernel is compute-bound and near vpdpbusd's
+ * peak). The accumulators are named variables and vpdpbusd is inline asm, because GCC 12 spills an
+ * array of accumulators and spills even named ones around the intrinsic.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+
+#if defined(INT8_GEMM_FORCE_ISA)
+#define ISA_CAP INT8_GEMM_FORCE_ISA
+#else
+#define ISA_CAP 2
+#endif
+
+#if ISA_CAP >= 2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define ISA 2
+#include <immintrin.h>
+#elif ISA_CAP >= 1 && defined(__AVX2__)
+#define ISA 1
+#include <immintrin.h>
+#else
+#define ISA 0
+#endif
+
+#define BLOCK 16 /* output channels per packed block */
+#define GROUP 4  /* k per group */
+
+/* Which path was compiled: 2 AVX-512 VNNI, 1 AVX2 (vpmaddwd), 0 portable C. */
+int int8_gemm_isa(void) { return ISA; }
+
+static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+/* Bytes of the packed form of a weight [n, k] (int8_gemm_pack writes this many). */
+int64_t int8_gemm_packed_size(int64_t n, int64_t k) { return round_up(n, BLOCK) * round_up(k, GROUP); }
+
+/* W int8 [n, k] (row stride ldw) -> packed[block][group][16][4] (zero padded) and colsums int32
+ * [round_up(n, 16)] (the exact sum of each channel's weights, |sum| <= 128 * K; 0 for padding
+ * channels). Blocks are independent: one pool task each. */
+struct pack_job {
+    const int8_t *w;
+    int64_t n, k, ldw;
+    int8_t *packed;
+    int32_t *colsums;
+};
+
+static void pack_block(void *context, int64_t b) {
+    const struct pack_job *job = context;
+    int64_t n = job->n, k = job->k, kp = round_up(k, GROUP), full = k / GROUP;
+    int8_t *out = job->packed + b * BLOCK * kp;
+    if (b * BLOCK + BLOCK > n || k != kp) memset(out, 0, (size_t)(BLOCK * kp));
+    for (int64_t j = 0; j < BLOCK; j++) {
+        int64_t ch = b * BLOCK + j;
+        if (ch >= n) {
+            job->colsums[ch] = 0;
+            continue;
+        }
+        const int8_t *row = job->w + ch * job->ldw;
+        int32_t sum = 0;
+        for (int64_t kk = 0; kk < k; kk++) sum += row[kk];
+        job->colsums[ch] = sum;
+        for (int64_t g = 0; g < full; g++) memcpy(out + (g * BLOCK + j) * GROUP, row + g * GROUP, GROUP);
+        for (int64_t kk = full * GROUP; kk < k; kk++) out[(full * BLOCK + j) * GROUP + kk - full * GROUP] = row[kk];
+    }
+}
+
+void int8_gemm_pack(const int8_t *w, int64_t n, int64_t k, int64_t ldw, int8_t *packed, int32_t *colsums,
+                    int threads) {
+    struct pack_job job = {w, n, k, ldw, packed, colsums};
+    pool_for(threads, round_up(n, BLOCK) / BLOCK, pack_block, &job);
+}
+
+/* Thread t's share of `count` items (blocks of channels, or rows): [*lo, *hi). */
+static inline void share(int64_t count, int threads, int t, int64_t *lo, int64_t *hi) {
+    *lo = count * t / threads;
+    *hi = count * (t + 1) / threads;
+}
+
+#if ISA == 2
+#define PANEL 4    /* blocks of 16 channels processed at once */
+#ifndef PREFETCH
+#define PREFETCH 1024 /* bytes ahead in each block's stream */
+#endif
+#define MAX_ROWS 12
+
+
+/* acc + the 4-byte dot products of a (u8) and w (s8) per int32 lane, wrapping (never saturating).
+ * Inline asm rather than the intrinsic: with the intrinsic GCC 12 spills half the accumulators. */
+static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i a, __m512i w) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(w));
+    return acc;
+}
+
+static inline __m512i broadcast4(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* The accumulators are named variables, not an array: GCC keeps those in registers, an array of
+ * vectors it spills. ACC(j, i): block j of the panel, row i. */
+#define ACC(j, i) acc##j##_##i
+#define FOR_ROWS(X, j) X(j, 0) X(j, 1) X(j, 2) X(j, 3) X(j, 4) X(j, 5) X(j, 6) X(j, 7) X(j, 8) X(j, 9) X(j, 10) X(j, 11)
+#define FOR_ALL(X) FOR_ROWS(X, 0) FOR_ROWS(X, 1) FOR_ROWS(X, 2) FOR_ROWS(X, 3)
+#define DECLARE(j, i) __m512i ACC(j, i) = _mm512_setzero_si512();
+#define MADD(j, i) \
+    if (NB > j) ACC(j, i) = dpbusd(ACC(j, i), a, w##j);
+#define ROW(_, i)                                                \
+    if (MR > i) {                                                \
+        __m512i a = broadcast4(au + i * kp + g * GROUP);         \
+        MADD(0, i) MADD(1, i) MADD(2, i) MADD(3, i)              \
+    }
+#define STORE(j, i) \
+    if (NB > j && MR > i) _mm512_mask_storeu_epi32((void *)(c + i * ldc + col##j), mask##j, _mm512_sub_epi32(ACC(j, i), fix##j));
+#define LOAD_W(j)                                                                                  \
+    __m512i w##j = _mm512_setzero_si512();                                                         \
+    if (NB > j) {                                                                                  \
+        w##j = _mm512_loadu_si512((const void *)(p + j * bstride));                               \
+        if (PF == AHEAD) _mm_prefetch((const char *)(p + j * bstride + PREFETCH), _MM_HINT_T0);   \
+    }
+/* 128 * colsum, exact (|colsum| <= 127 * K), as a shift; the mask covers the channels below n. */
+#define FIX(j)                                                                                     \
+    int64_t col##j = n0 + j * BLOCK;                                                               \
+    __m512i fix##j = _mm512_setzero_si512();                                                       \
+    __mmask16 mask##j = 0;                                                                         \
+    if (NB > j) {                                                                                  \
+        fix##j = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(cs + col##j)), 7);            \
+        mask##j = col##j + BLOCK <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - col##j)) - 1u); \
+    }
+
+/* Prefetch modes of a tile: none; AHEAD: PREFETCH bytes ahead in the panel's own streams (its
+ * first pass, weights still in DRAM); NEXT: a share of the next panel into L2, one line of each of
+ * its blocks every `every` k groups, so the DRAM reads of the next panel overlap this one's compute. */
+enum { NONE = 0, AHEAD = 1, NEXT = 2 };
+
+typedef struct {
+    const int8_t *at; /* where this pass's share of the next panel starts (block 0), or NULL */
+    int blocks;       /* blocks in the next panel */
+    int64_t every;    /* k groups per prefetched line */
+} next_share;
+
+/* MR rows of au (u8 = A + 128, row stride kp) times NB consecutive blocks starting at wb. NB, MR and
+ * PF are constants at every call site, so only the live accumulators remain, all in registers. */
+static inline __attribute__((always_inline)) void tile(const int NB, const int MR, const int PF,
+                                                       const uint8_t *au, int64_t kp, const int8_t *wb,
+                                                       const int32_t *cs, int32_t *c, int64_t ldc, int64_t n0,
+                                                       int64_t n, next_share next) {
+    const int64_t bstride = BLOCK * kp, groups = kp / GROUP;
+    const int8_t *q = next.at;
+    int64_t countdown = next.every;
+    FOR_ALL(DECLARE)
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *p = wb + g * (BLOCK * GROUP);
+        LOAD_W(0) LOAD_W(1) LOAD_W(2) LOAD_W(3)
+        if (PF == NEXT && q != NULL && --countdown == 0) {
+            countdown = next.every;
+            for (int j = 0; j < next.blocks; j++) _mm_prefetch((const char *)(q + j * bstride), _MM_HINT_T1);
+            q += BLOCK * GROUP;
+        }
+        FOR_ROWS(ROW, 0)
+    }
+    FIX(0) FIX(1) FIX(2) FIX(3)
+    FOR_ALL(STORE)
+}
+
+static const int ROWS_FOR[PANEL + 1] = {0, 12, 12, 8, 6}; /* rows per tile for a panel of NB blocks */
+
+#define CASE(NB, MR, PF) \
+    case MR:             \
+        tile(NB, MR, PF, au, kp, wb, cs, c, ldc, n0, n, next); \
+        break;
+#define CASES6(NB, PF) \
+    CASE(NB, 1, PF) CASE(NB, 2, PF) CASE(NB, 3, PF) CASE(NB, 4, PF) CASE(NB, 5, PF) CASE(NB, 6, PF)
+#define CASES8(NB, PF) CASES6(NB, PF) CASE(NB, 7, PF) CASE(NB, 8, PF)
+#define CASES12(NB, PF) CASES8(NB, PF) CASE(NB, 9, PF) CASE(NB, 10, PF) CASE(NB, 11, PF) CASE(NB, 12, PF)
+#define PANELS(PF)                                 \
+    switch (nb) {                                  \
+    case 4: switch (mr) { CASES6(4, PF) } break;   \
+    case 3: switch (mr) { CASES8(3, PF) } break;   \
+    case 2: switch (mr) { CASES12(2, PF) } break;  \
+    case 1: switch (mr) { CASES12(1, PF) } break;  \
+    }
+
+static void dispatch(int nb, int mr, int pf, const uint8_t *au, int64_t kp, const int8_t *wb, const int32_t *cs,
+                     int32_t *c, int64_t ldc, int64_t n0, int64_t n, next_share next) {
+    if (pf == AHEAD) {
+        PANELS(AHEAD)
+    } else if (pf == NEXT) {
+        PANELS(NEXT)
+    } else {
+        PANELS(NONE)
+    }
+}
+
+/* One thread's blocks [lo, hi): panels of up to 4 blocks, each against every block of rows. A
+ * panel's first pass streams it from memory (prefetching ahead) unless the passes over the previous
+ * panel already brought it into L2 (they do when there are several passes: each fetches a share). */
+static void run_blocks(const uint8_t *au, int64_t m, int64_t kp, const int8_t *packed, const int32_t *colsums,
+                       int64_t n, int32_t *c, int64_t ldc, int64_t lo, int64_t hi) {
+    const int64_t groups = kp / GROUP;
+    int fetched = 0; /* whether this panel was prefetched by the passes over the previous one */
+    for (int64_t b = lo; b < hi; b += PANEL) {
+        int nb = hi - b < PANEL ? (int)(hi - b) : PANEL;
+        int64_t rows = ROWS_FOR[nb];
+        int64_t tiles = (m + rows - 1) / rows; /* balanced row blocks: sizes differ by at most one */
+        int64_t base = m / tiles, extra = m % tiles, r0 = 0;
+        const int8_t *wb = packed + b * BLOCK * kp;
+        int64_t after = b + nb, next_nb = hi - after < PANEL ? hi - after : PANEL;
+        /* The passes that prefetch the next panel, and each one's share of its lines per block. */
+        int64_t sharers = tiles - (fetched ? 0 : 1);
+        int64_t share = sharers > 0 ? (groups + sharers - 1) / sharers : 0;
+        for (int64_t t = 0, s = 0; t < tiles; t++) {
+            int mr = (int)(base + (t < extra));
+            next_share next = {NULL, 0, 1};
+            int pf = NONE;
+            if (t == 0 && !fetched) {
+                pf = AHEAD;
+            } else if (next_nb > 0 && share > 0) {
+                pf = NEXT;
+                next.at = packed + after * BLOCK * kp + s * share * (BLOCK * GROUP);
+                next.blocks = (int)next_nb;
+                next.every = groups / share > 0 ? groups / share : 1;
+                s++;
+            }
+            dispatch(nb, mr, pf, au + r0 * kp, kp, wb, colsums, c + r0 * ldc, ldc, b * BLOCK, n, next);
+            r0 += mr;
+        }
+        fetched = sharers > 0 && next_nb > 0;
+    }
+}
+#endif /* ISA == 2 */
+
+#if ISA == 1
+/* Two rows of a16 (A as int16, row stride kp) times one block: 4 ymm accumulators per row, lane
+ * 2q + h of accumulator v holding channel 4v + q's products of k = 4g + 2h and 4g + 2h + 1. */
+static inline __attribute__((always_inline)) void tile2(const int MR, const int16_t *a16, int64_t kp,
+                                                        const int8_t *wb, int32_t *c, int64_t ldc, int64_t col,
+                                                        int64_t n) {
+    __m256i acc[2][4];
+    const int64_t groups = kp / GROUP;
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < 4; v++) acc[i][v] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i w[4];
+        const int8_t *p = wb + g * (BLOCK * GROUP);
+        for (int v = 0; v < 4; v++) w[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * v)));
+        for (int i = 0; i < MR; i++) {
+            int64_t a4;
+            memcpy(&a4, a16 + i * kp + g * GROUP, sizeof a4);
+            __m256i a = _mm256_set1_epi64x(a4);
+            for (int v = 0; v < 4; v++) acc[i][v] = _mm256_add_epi32(acc[i][v], _mm256_madd_epi16(a, w[v]));
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        /* hadd pairs: lanes of hadd(x, y) = x01 x23 y01 y23 | x45 x67 y45 y67 -> channels 0 1 4 5 | 2 3 6 7 */
+        __m256i lo = _mm256_hadd_epi32(acc[i][0], acc[i][1]), hi = _mm256_hadd_epi32(acc[i][2], acc[i][3]);
+        const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+        lo = _mm256_permutevar8x32_epi32(lo, order);
+        hi = _mm256_permutevar8x32_epi32(hi, order);
+        int32_t out[BLOCK];
+        _mm256_storeu_si256((__m256i *)out, lo);
+        _mm256_storeu_si256((__m256i *)(out + 8), hi);
+        int64_t count = n - col < BLOCK ? n - col : BLOCK;
+        memcpy(c + i * ldc + col, out, (size_t)count * sizeof(int32_t));
+    }
+}
+
+static void run_blocks(const int16_t *a16, int64_t m, int64_t kp, const int8_t *packed, int64_t n, int32_t *c,
+                       int64_t ldc, int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; b++) {
+        const int8_t *wb = packed + b * BLOCK * kp;
+        int64_t i = 0;
+        for (; i + 2 <= m; i += 2) tile2(2, a16 + i * kp, kp, wb, c + i * ldc, ldc, b * BLOCK, n);
+        if (i < m) tile2(1, a16 + i * kp, kp, wb, c + i * ldc, ldc, b * BLOCK, n);
+    }
+}
+#endif /* ISA == 1 */
+
+#if ISA == 0
+/* Portable: for each block and row, 16 int32 sums of signed products (|sum| <= 128 * 127 * K). */
+static void run_blocks(const int8_t *a, int64_t m, int64_t k, int64_t lda, int64_t kp, const int8_t *packed,
+                       int64_t n, int32_t *c, int64_t ldc, int64_t lo, int64_t hi) {
+    const int64_t groups = kp / GROUP;
+    for (int64_t b = lo; b < hi; b++) {
+        const int8_t *wb = packed + b * BLOCK * kp;
+        for (int64_t i = 0; i < m; i++) {
+            int32_t acc[BLOCK] = {0};
+            const int8_t *row = a + i * lda;
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t t = 0; t < GROUP; t++) {
+                    int64_t kk = g * GROUP + t;
+                    if (kk >= k) break;
+                    int32_t x = row[kk];
+                    const int8_t *p = wb + g * BLOCK * GROUP + t;
+                    for (int j = 0; j < BLOCK; j++) acc[j] += x * (int32_t)p[j * GROUP];
+                }
+            for (int j = 0; j < BLOCK && b * BLOCK + j < n; j++) c[i * ldc + b * BLOCK + j] = acc[j];
+        }
+    }
+}
+#endif /* ISA == 0 */
+
+/* The activations as each path reads them, rows [r0, r1) into buf (row stride kp): for AVX-512,
+ * A + 128 as unsigned bytes (A xor 0x80); for AVX2, A as int16; the padding up to kp meets zero
+ * weights, so its value does not matter (0x80 and 0 keep it the offset of zero). */
+#if ISA == 2
+typedef uint8_t act_t;
+static void prepare(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k, int64_t kp, act_t *buf) {
+    for (int64_t i = r0; i < r1; i++) {
+        for (int64_t j = 0; j < k; j++) buf[i * kp + j] = (uint8_t)a[i * lda + j] ^ 0x80u;
+        for (int64_t j = k; j < kp; j++) buf[i * kp + j] = 0x80u;
+    }
+}
+#define RUN(lo, hi) run_blocks(buf, m, kp, packed, colsums, n, c, ldc, lo, hi)
+#elif ISA == 1
+typedef int16_t act_t;
+static void prepare(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k, int64_t kp, act_t *buf) {
+    for (int64_t i = r0; i < r1; i++) {
+        for (int64_t j = 0; j < k; j++) buf[i * kp + j] = a[i * lda + j];
+        for (int64_t j = k; j < kp; j++) buf[i * kp + j] = 0;
+    }
+}
+#define RUN(lo, hi) run_blocks(buf, m, kp, packed, n, c, ldc, lo, hi)
+#else
+#define RUN(lo, hi) run_blocks(a, m, k, lda, kp, packed, n, c, ldc, lo, hi)
+#endif
+
+#if ISA == 0
+typedef int8_t act_t; /* unused: the portable path reads A itself */
+#endif
+
+/* One call's operands; share t of `shares` takes its part of the 16-channel blocks. */
+struct gemm_job {
+    const int8_t *a;
+    int64_t m, k, lda, kp;
+    const int8_t *packed;
+    const int32_t *colsums;
+    int64_t n;
+    int32_t *c;
+    int64_t ldc;
+    int shares;
+    int64_t nblocks;
+    act_t *bufs;
+};
+
+static void gemm_share(void *context, int64_t t) {
+    const struct gemm_job *job = context;
+    const int8_t *a = job->a, *packed = job->packed;
+    const int32_t *colsums = job->colsums;
+    int64_t m = job->m, k = job->k, lda = job->lda, kp = job->kp, n = job->n, ldc = job->ldc, lo, hi;
+    int32_t *c = job->c;
+    (void)a, (void)k, (void)lda, (void)colsums;
+#if ISA != 0
+    act_t *buf = job->bufs + t * m * kp;
+    prepare(a, lda, 0, m, k, kp, buf);
+#endif
+    share(job->nblocks, job->shares, (int)t, &lo, &hi);
+    RUN(lo, hi);
+}
+
+/* Below this many weight bytes a call runs on one thread: the fork and join cost more than the
+ * second core saves (and the result is the same either way). */
+#define SMALL_WEIGHT (64 * 1024)
+
+/* C [m, n] int32 (row stride ldc) = A [m, k] int8 (row stride lda) times the packed weight's
+ * transpose; up to `threads` threads of the kernels' pool (pool.h) split the output channels.
+ * The result is the exact integer product whatever the path, the threads or the shapes.
+ * Returns 0, or -1 when the activation buffers (m * k bytes per thread, two per element on AVX2)
+ * could not be allocated (then c is untouched). */
+int int8_gemm(const int8_t *a, int64_t m, int64_t k, int64_t lda, const int8_t *packed, const int32_t *colsums,
+              int64_t n, int32_t *c, int64_t ldc, int threads) {
+    if (m <= 0 || n <= 0) return 0;
+    int64_t kp = round_up(k, GROUP), nblocks = round_up(n, BLOCK) / BLOCK;
+    if (kp <= 0) { /* an empty sum */
+        for (int64_t i = 0; i < m; i++) memset(c + i * ldc, 0, (size_t)n * sizeof(int32_t));
+        return 0;
+    }
+    if (threads < 1 || nblocks * BLOCK * kp < SMALL_WEIGHT) threads = 1;
+    if (threads > nblocks) threads = (int)nblocks;
+#if ISA != 2
+    (void)colsums; /* the signed paths need no offset correction */
+#endif
+    struct gemm_job job = {a, m, k, lda, kp, packed, colsums, n, c, ldc, threads, nblocks, NULL};
+#if ISA != 0
+    /* One copy of the prepared rows per share: each prepares all of them itself (m * k bytes,
+     * cheap) and reads them from its own core's cache, rather than sharing one copy that the other
+     * core would then fetch line by line. */
+    job.bufs = malloc((size_t)(threads * m * kp) * sizeof(act_t));
+    if (job.bufs == NULL) return -1;
+#endif
+    pool_for(threads, threads, gemm_share, &job);
+#if ISA != 0
+    free(job.bufs);
+#endif
+    return 0;
+}

@@ -1,0 +1,142 @@
+/* The kernels' thread pool (see pool.h for why it is not OpenMP).
+ *
+ * Workers start on first use, as many as the widest job asked for (less one: the caller works
+ * too). A job is published by bumping `generation`; idle workers spin on it for SPIN_NS, then
+ * sleep on a condition variable, and the caller wakes sleepers under the mutex they sleep with,
+ * so no wake-up is lost. Tasks are handed out by an atomic counter; the caller then waits for the
+ * workers that joined the job to finish. After fork() the child starts with no workers.
+ */
+#include "pool.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define MAX_WORKERS 63
+#ifndef SPIN_NS
+#define SPIN_NS 1000000 /* how long an idle worker spins before it sleeps: 1 ms */
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+static inline void relax(void) { _mm_pause(); }
+#elif defined(__aarch64__)
+static inline void relax(void) { __asm__ __volatile__("yield"); }
+#else
+static inline void relax(void) {}
+#endif
+
+static struct {
+    pthread_mutex_t calls; /* one job at a time */
+    pthread_mutex_t sleep;
+    pthread_cond_t wake;
+    int workers;  /* started */
+    int sleeping; /* under `sleep` */
+    pool_task task;
+    void *context;
+    int64_t count;
+    _Atomic int64_t next;  /* the next task to hand out */
+    _Atomic int finished;  /* workers done with the current job */
+    _Atomic uint64_t job;  /* generation << 32 | how many take part (the caller and workers 1..that-1) */
+} pool = {.calls = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+struct start {
+    int id;
+    uint64_t job; /* the job word before the job the worker was started for */
+};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void run_tasks(void) {
+    for (int64_t i; (i = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed)) < pool.count;)
+        pool.task(pool.context, i);
+}
+
+/* The next job word after `seen`: spin for SPIN_NS, then sleep until it comes. */
+static uint64_t wait_for_job(uint64_t seen) {
+    int64_t until = now_ns() + SPIN_NS;
+    for (int spins = 0;; spins++) {
+        uint64_t job = atomic_load_explicit(&pool.job, memory_order_acquire);
+        if (job != seen) return job;
+        if ((spins & 255) == 255 && now_ns() > until) break;
+        relax();
+    }
+    pthread_mutex_lock(&pool.sleep);
+    pool.sleeping++;
+    uint64_t job;
+    while ((job = atomic_load_explicit(&pool.job, memory_order_acquire)) == seen)
+        pthread_cond_wait(&pool.wake, &pool.sleep);
+    pool.sleeping--;
+    pthread_mutex_unlock(&pool.sleep);
+    return job;
+}
+
+/* A worker that takes part in a job is waited for, so the job cannot change under it; one that
+ * does not only reads the job word, which says so. */
+static void *worker(void *argument) {
+    struct start start = *(struct start *)argument;
+    free(argument);
+    for (uint64_t seen = start.job;;) {
+        seen = wait_for_job(seen);
+        if (start.id < (int)(seen & 0xffffffffu)) {
+            run_tasks();
+            atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
+        }
+    }
+    return NULL;
+}
+
+static void start_workers(int wanted, uint64_t job) {
+    while (pool.workers < wanted) {
+        struct start *start = malloc(sizeof *start);
+        if (!start) return;
+        *start = (struct start){pool.workers + 1, job};
+        pthread_t thread;
+        pthread_attr_t attributes;
+        pthread_attr_init(&attributes);
+        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attributes, worker, start);
+        pthread_attr_destroy(&attributes);
+        if (failed) {
+            free(start);
+            return;
+        }
+        pool.workers++;
+    }
+}
+
+static void forget_workers(void) { pool.workers = 0; } /* a forked child has none of them */
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_workers); }
+
+void pool_for(int threads, int64_t count, pool_task task, void *context) {
+    if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
+    if (threads > count) threads = (int)count;
+    if (threads <= 1) {
+        for (int64_t i = 0; i < count; i++) task(context, i);
+        return;
+    }
+    static pthread_once_t registered = PTHREAD_ONCE_INIT;
+    pthread_once(&registered, register_fork_handler);
+    pthread_mutex_lock(&pool.calls);
+    uint64_t before = atomic_load_explicit(&pool.job, memory_order_relaxed);
+    start_workers(threads - 1, before);
+    int joining = pool.workers + 1 < threads ? pool.workers + 1 : threads;
+    pool.task = task;
+    pool.context = context;
+    pool.count = count;
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.job, (((before >> 32) + 1) << 32) | (uint64_t)joining, memory_order_release);
+    pthread_mutex_lock(&pool.sleep);
+    if (pool.sleeping) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.sleep);
+    run_tasks();
+    while (atomic_load_explicit(&pool.finished, memory_order_acquire) < joining - 1) relax();
+    pthread_mutex_unlock(&pool.calls);
+}
