@@ -40,6 +40,7 @@ SIGNATURES: dict[str, list | tuple[list, object]] = {
     "int8_gemm_packed_size": ([_I64, _I64], _I64),
     "int8_gemm_pack": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "int8_gemm": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _INT], _INT),
+    "int8_linear": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT], _INT),
 }
 ISA_NAMES = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
 BLOCK, GROUP = 16, 4  # the packed layout: blocks of 16 output channels, k in groups of 4
@@ -229,13 +230,37 @@ def _time_both(packed: PackedWeight | tuple[int, int], n: int, k: int, rows: int
     return ours_s <= torch_s
 
 
+def runs_here(packed: PackedWeight, m: int) -> bool:
+    """Whether this kernel (rather than torch._int_mm) multiplies `m` rows by the weight: always,
+    unless its plain values were kept and torch._int_mm is faster at this row count (both exact)."""
+    return packed.values is None or faster_than_torch(packed, m)
+
+
 def matmul(halves: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """halves [M, K] int8 @ weight.T -> int32 [M, N] with whichever kernel is faster here (both
     exact, so the same bits either way); torch._int_mm needs the weight's `values` kept (`pack`'s
     keep_values), else this kernel always runs."""
-    if packed.values is not None and not faster_than_torch(packed, halves.shape[0]):
+    if not runs_here(packed, halves.shape[0]):
         return torch._int_mm(halves, packed.values.t())
     return int_mm(halves, packed)
+
+
+def linear(x: torch.Tensor, packed: PackedWeight, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The whole int8 linear layer of `int8_linear.linear` in one C call: x [m, K] float32 (rows may
+    be strided) -> float32 [m, N], each row quantized to its int8 halves, this kernel's exact sums,
+    combined with the row and weight scales (+ bias) by the very functions `int8_rows` runs, so
+    the same bits as quantize / GEMM / combine called one by one (one job of the thread pool
+    instead of three, and no int32 [2m, N] tensor)."""
+    lib = _LIB[0] if _LIB else _library_or_raise()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != packed.k or x.stride(1) != 1 or not x.is_cpu:
+        x = x.float().contiguous().cpu()
+    m = x.shape[0]
+    out = torch.empty(m, packed.n, dtype=torch.float32)
+    if lib.int8_linear(x.data_ptr(), m, packed.k, x.stride(0), packed.data.data_ptr(), packed.colsums.data_ptr(),
+                       packed.n, scales.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                       torch.get_num_threads()):
+        raise MemoryError(f"int8_gemm: no memory for an [{m}, {packed.k}] linear")
+    return out
 
 
 def describe() -> dict[str, str]:

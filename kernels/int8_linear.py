@@ -137,13 +137,17 @@ def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
 
     The per-row steps run in the small C library (`int8_rows`) when it could be built, else as
     torch ops; both compute the same IEEE operations in the same order, so they give the same bits.
+    Where the C GEMM multiplies (`int8_gemm.runs_here`), the three steps are one C call.
     """
     lib = int8_rows.library() if x.device.type == "cpu" else None
     if lib is None:
         halves, row_scales = quantize_rows(x)
         return combine(int_mm(halves, weight), row_scales, weight, bias)
-    x = x.float().contiguous()
+    bias = bias.float().contiguous() if bias is not None else None
     m, k = x.shape
+    if weight.packed is not None and int8_gemm.runs_here(weight.packed, 2 * m):
+        return int8_gemm.linear(x, weight.packed, weight.scales, bias)
+    x = x.float().contiguous()
     n = weight.shape[0]
     halves = torch.empty(2 * m, k, dtype=torch.int8)
     row_scales = torch.empty(m, dtype=torch.float32)
@@ -151,7 +155,6 @@ def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
     lib.quantize_rows(x.data_ptr(), m, k, halves.data_ptr(), row_scales.data_ptr(), threads)
     sums = int_mm(halves, weight).contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
-    bias = bias.float().contiguous() if bias is not None else None
     lib.combine(sums.data_ptr(), m, n, row_scales.data_ptr(), weight.scales.data_ptr(),
                 bias.data_ptr() if bias is not None else None, out.data_ptr(), threads)
     return out

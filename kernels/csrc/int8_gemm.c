@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "int8_rows.h"
 #include "pool.h"
 
 #if defined(INT8_GEMM_FORCE_ISA)
@@ -427,4 +428,69 @@ int int8_gemm(const int8_t *a, int64_t m, int64_t k, int64_t lda, const int8_t *
     free(job.bufs);
 #endif
     return 0;
+}
+
+/* The whole int8 linear layer of kernels/int8_linear.py in one call (one job of the pool instead
+ * of three, no int32 [2m, n] tensor): out [m, n] float32 = x [m, k] (row stride ldx) times the
+ * weight's transpose, each row quantized to int8 halves and the exact integer sums combined with
+ * the scales (+ bias) by int8_rows.c's own per-row functions, so the same bits as the three calls.
+ * Each share computes its channels in chunks of LINEAR_CHUNK blocks into a tile of its own and
+ * combines them at once. Returns 0, or -1 when the buffers could not be allocated. */
+#define LINEAR_CHUNK 16
+
+struct linear_job {
+    struct gemm_job gemm;   /* over the 2m halves: hi rows, then lo rows */
+    const float *row_scales, *weight_scales, *bias;
+    float *out;
+    int32_t *tiles;         /* per share: [2m][LINEAR_CHUNK * 16] */
+};
+
+static void linear_share(void *context, int64_t t) {
+    const struct linear_job *job = context;
+    const struct gemm_job *g = &job->gemm;
+    const int8_t *a = g->a, *packed = g->packed;
+    const int32_t *colsums = g->colsums;
+    int64_t m = g->m, k = g->k, lda = g->lda, kp = g->kp, n = g->n, rows = m / 2, lo, hi;
+    int64_t ldc = LINEAR_CHUNK * BLOCK;
+    int32_t *tile = job->tiles + t * m * ldc;
+    (void)a, (void)k, (void)lda, (void)colsums;
+#if ISA != 0
+    act_t *buf = g->bufs + t * m * kp;
+    prepare(a, lda, 0, m, k, kp, buf);
+#endif
+    share(g->nblocks, g->shares, (int)t, &lo, &hi);
+    for (int64_t b0 = lo; b0 < hi; b0 += LINEAR_CHUNK) {
+        int64_t b1 = b0 + LINEAR_CHUNK < hi ? b0 + LINEAR_CHUNK : hi;
+        int32_t *c = tile - b0 * BLOCK; /* column b * 16 of the chunk lands at tile + (b - b0) * 16 */
+        RUN(b0, b1);
+        int64_t from = b0 * BLOCK, to = b1 * BLOCK < n ? b1 * BLOCK : n;
+        for (int64_t i = 0; i < rows; i++)
+            combine_span(c + i * ldc, c + (rows + i) * ldc, from, to, job->row_scales[i], job->weight_scales,
+                         job->bias, job->out + i * n);
+    }
+}
+
+int int8_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const int8_t *packed, const int32_t *colsums,
+                int64_t n, const float *weight_scales, const float *bias, float *out, int threads) {
+    if (m <= 0 || n <= 0) return 0;
+    int64_t kp = round_up(k, GROUP), nblocks = round_up(n, BLOCK) / BLOCK, halves = 2 * m;
+    if (threads < 1 || nblocks * BLOCK * kp < SMALL_WEIGHT) threads = 1;
+    if (threads > nblocks) threads = (int)nblocks;
+    int8_t *a = malloc((size_t)(halves * (k > 0 ? k : 1)));
+    float *row_scales = malloc(sizeof(float) * (size_t)m);
+    int32_t *tiles = malloc(sizeof(int32_t) * (size_t)(threads * halves * LINEAR_CHUNK * BLOCK));
+    act_t *bufs = ISA != 0 ? malloc((size_t)(threads * halves * kp) * sizeof(act_t)) : NULL;
+    int failed = !a || !row_scales || !tiles || (ISA != 0 && !bufs);
+    if (!failed) {
+        for (int64_t i = 0; i < m; i++) row_scales[i] = quantize_one(x + i * ldx, k, a + i * k, a + (m + i) * k);
+        struct linear_job job = {{a, halves, k, k, kp, packed, colsums, n, NULL, LINEAR_CHUNK * BLOCK, threads,
+                                  nblocks, bufs},
+                                 row_scales, weight_scales, bias, out, tiles};
+        pool_for(threads, threads, linear_share, &job);
+    }
+    free(a);
+    free(row_scales);
+    free(tiles);
+    free(bufs);
+    return failed ? -1 : 0;
 }

@@ -7,10 +7,9 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "int8_rows.h"
 #include "pool.h"
 
-#define HALF 256
-#define ACT_LEVELS (127 * HALF)
 
 /* Elements per task of the kernels' pool (speed only: any split gives the same bits). */
 #define GRAIN 16384
@@ -22,10 +21,9 @@ struct quantize_job {
     float *scales;
 };
 
-static void quantize_row(void *context, int64_t i) {
-    const struct quantize_job *job = context;
-    int64_t k = job->k;
-    const float *row = job->x + i * k;
+/* One row: its scale (max |x| / ACT_LEVELS, 1 for a zero row) and its 16-bit integers as int8
+ * halves hi, lo (q = 256 hi + lo). Shared with int8_gemm.c's fused linear (int8_rows.h). */
+float quantize_one(const float *row, int64_t k, int8_t *hi, int8_t *lo) {
     float amax = 0.0f;
     for (int64_t j = 0; j < k; j++) {
         float a = fabsf(row[j]);
@@ -33,8 +31,6 @@ static void quantize_row(void *context, int64_t i) {
     }
     float scale = amax / (float)ACT_LEVELS;
     if (!(scale > 0.0f)) scale = 1.0f;
-    job->scales[i] = scale;
-    int8_t *hi = job->halves + i * k, *lo = job->halves + (job->m + i) * k;
     for (int64_t j = 0; j < k; j++) {
         float q = nearbyintf(row[j] / scale);
         q = q < -ACT_LEVELS ? -ACT_LEVELS : (q > ACT_LEVELS ? ACT_LEVELS : q);
@@ -43,6 +39,23 @@ static void quantize_row(void *context, int64_t i) {
         hi[j] = (int8_t)h;
         lo[j] = (int8_t)(qi - h * HALF);
     }
+    return scale;
+}
+
+/* Columns from..to-1 of one row: y = float(256 * hi + lo) * row_scale * weight_scale (+ bias). */
+void combine_span(const int32_t *hi, const int32_t *lo, int64_t from, int64_t to, float row_scale,
+                  const float *weight_scales, const float *bias, float *y) {
+    for (int64_t j = from; j < to; j++) {
+        float c = (float)((int64_t)hi[j] * HALF + (int64_t)lo[j]);
+        float v = (c * row_scale) * weight_scales[j];
+        y[j] = bias ? v + bias[j] : v;
+    }
+}
+
+static void quantize_row(void *context, int64_t i) {
+    const struct quantize_job *job = context;
+    int64_t k = job->k;
+    job->scales[i] = quantize_one(job->x + i * k, k, job->halves + i * k, job->halves + (job->m + i) * k);
 }
 
 /* x [m, k] float32 -> halves [2m, k] int8 (hi rows, then lo rows), scales [m]; a row per task. */
@@ -62,15 +75,8 @@ struct combine_job {
 static void combine_block(void *context, int64_t t) {
     const struct combine_job *job = context;
     int64_t n = job->n, i = t / job->blocks, from = (t % job->blocks) * GRAIN, to = from + GRAIN < n ? from + GRAIN : n;
-    const int32_t *hi = job->sums + i * n, *lo = job->sums + (job->m + i) * n;
-    const float *weight_scales = job->weight_scales, *bias = job->bias;
-    float rs = job->row_scales[i];
-    float *y = job->out + i * n;
-    for (int64_t j = from; j < to; j++) {
-        float c = (float)((int64_t)hi[j] * HALF + (int64_t)lo[j]);
-        float v = (c * rs) * weight_scales[j];
-        y[j] = bias ? v + bias[j] : v;
-    }
+    combine_span(job->sums + i * n, job->sums + (job->m + i) * n, from, to, job->row_scales[i], job->weight_scales,
+                 job->bias, job->out + i * n);
 }
 
 /* sums [2m, n] int32 -> out [m, n] float32 = float(256 * hi + lo) * row_scale * weight_scale (+ bias);

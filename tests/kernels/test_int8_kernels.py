@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from agentfold.kernels import int8_linear, int8_rows
+from agentfold.kernels import int8_gemm, int8_linear, int8_rows
 
 SHAPES = [(77, 33), (577, 129), (1537, 211), (2049, 67)]  # (K, N)
 WIDTH = 16
@@ -83,6 +83,39 @@ def test_native_helpers_give_the_torch_ops_bits(monkeypatch):
         reference = int8_linear.linear(x, weight)
         monkeypatch.undo()
         assert torch.equal(native, reference), (k, n)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_fused_c_linear_gives_the_three_calls_bits(threads, monkeypatch):
+    """A packed weight runs quantize, GEMM and combine as one C call (`int8_gemm.linear`): the same
+    bits as the three calls on the plain weight and as the torch ops, rows strided or not, and
+    row-exact; its values read back out of the packed layout are the weight's."""
+    if int8_rows.library() is None or not int8_gemm.available():
+        pytest.skip("no C compiler here")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for index, (k, n) in enumerate(SHAPES):
+            plain = int8_linear.quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(index)))
+            packed = int8_linear.Int8Weight(plain.values.clone(), plain.scales)
+            int8_linear.pack(packed)
+            assert packed.packed is not None and torch.equal(packed.int8_values(), plain.values)
+            bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
+            x = torch.from_numpy(activations(k, index + 20))
+            wide = torch.cat([x, x], dim=1)[:, :k]  # rows strided
+            for rows in (x, wide):
+                fused = int8_linear.linear(rows, packed, bias)
+                assert torch.equal(fused, int8_linear.linear(rows, plain, bias)), (k, n)
+            monkeypatch.setattr(int8_rows, "library", lambda: None)
+            assert torch.equal(int8_linear.linear(x, plain, bias), fused), (k, n)
+            monkeypatch.undo()
+
+            def run(rows: np.ndarray, weight=packed, bias=bias) -> np.ndarray:
+                return int8_linear.linear(torch.from_numpy(rows.copy()), weight, bias).numpy()
+
+            assert first_inexact_width(run, activations(k, index)) is None, (k, n, threads)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_int8_weights_track_the_float_layer():
