@@ -1,9 +1,9 @@
 /* The kernels' thread pool (see pool.h for why it is not OpenMP).
  *
  * Workers start on first use, as many as the widest job asked for (less one: the caller works
- * too). A job is published by bumping `generation`; idle workers spin on it for SPIN_NS, then
- * sleep on a condition variable, and the caller wakes sleepers under the mutex they sleep with,
- * so no wake-up is lost. Tasks are handed out by an atomic counter; the caller then waits for the
+ * too). A job is published by bumping the generation in `job`; the workers it takes spin for
+ * SPIN_NS after each job they ran, then sleep on a condition variable of their own, and the caller
+ * wakes the sleepers it needs under the mutex they sleep with, so no wake-up is lost. Tasks are handed out by an atomic counter; the caller then waits for the
  * workers that joined the job to finish. After fork() the child starts with no workers.
  */
 #include "pool.h"
@@ -27,19 +27,23 @@ static inline void relax(void) { __asm__ __volatile__("yield"); }
 static inline void relax(void) {}
 #endif
 
+struct slot {
+    pthread_cond_t wake; /* signalled when a job wants this worker */
+    int sleeping;        /* under pool.sleep */
+};
+
 static struct {
     pthread_mutex_t calls; /* one job at a time */
     pthread_mutex_t sleep;
-    pthread_cond_t wake;
-    int workers;  /* started */
-    int sleeping; /* under `sleep` */
+    int workers; /* started */
     pool_task task;
     void *context;
     int64_t count;
     _Atomic int64_t next;  /* the next task to hand out */
     _Atomic int finished;  /* workers done with the current job */
     _Atomic uint64_t job;  /* generation << 32 | how many take part (the caller and workers 1..that-1) */
-} pool = {.calls = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+    struct slot slots[MAX_WORKERS + 1];
+} pool = {.calls = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER};
 
 struct start {
     int id;
@@ -57,36 +61,41 @@ static void run_tasks(void) {
         pool.task(pool.context, i);
 }
 
-/* The next job word after `seen`: spin for SPIN_NS, then sleep until it comes. */
-static uint64_t wait_for_job(uint64_t seen) {
+/* Whether `job` is newer than `done` and takes worker `id`. */
+static inline int wants(uint64_t job, uint64_t done, int id) {
+    return (job >> 32) != (done >> 32) && id < (int)(job & 0xffffffffu);
+}
+
+/* The next job that takes worker `id` after the job word `done`: spin for SPIN_NS, then sleep
+ * until a caller signals this worker. Jobs that do not take it (narrower calls) pass it by: a
+ * worker spins only after a job it ran, so idle workers sleep instead of taking cores. */
+static uint64_t wait_for_job(int id, uint64_t done) {
     int64_t until = now_ns() + SPIN_NS;
     for (int spins = 0;; spins++) {
         uint64_t job = atomic_load_explicit(&pool.job, memory_order_acquire);
-        if (job != seen) return job;
+        if (wants(job, done, id)) return job;
         if ((spins & 255) == 255 && now_ns() > until) break;
         relax();
     }
+    struct slot *slot = &pool.slots[id];
     pthread_mutex_lock(&pool.sleep);
-    pool.sleeping++;
+    slot->sleeping = 1;
     uint64_t job;
-    while ((job = atomic_load_explicit(&pool.job, memory_order_acquire)) == seen)
-        pthread_cond_wait(&pool.wake, &pool.sleep);
-    pool.sleeping--;
+    while (!wants(job = atomic_load_explicit(&pool.job, memory_order_acquire), done, id))
+        pthread_cond_wait(&slot->wake, &pool.sleep);
+    slot->sleeping = 0;
     pthread_mutex_unlock(&pool.sleep);
     return job;
 }
 
-/* A worker that takes part in a job is waited for, so the job cannot change under it; one that
- * does not only reads the job word, which says so. */
+/* A worker that takes part in a job is waited for, so the job cannot change under it. */
 static void *worker(void *argument) {
     struct start start = *(struct start *)argument;
     free(argument);
-    for (uint64_t seen = start.job;;) {
-        seen = wait_for_job(seen);
-        if (start.id < (int)(seen & 0xffffffffu)) {
-            run_tasks();
-            atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
-        }
+    for (uint64_t done = start.job;;) {
+        done = wait_for_job(start.id, done);
+        run_tasks();
+        atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
     }
     return NULL;
 }
@@ -96,6 +105,8 @@ static void start_workers(int wanted, uint64_t job) {
         struct start *start = malloc(sizeof *start);
         if (!start) return;
         *start = (struct start){pool.workers + 1, job};
+        pthread_cond_init(&pool.slots[pool.workers + 1].wake, NULL);
+        pool.slots[pool.workers + 1].sleeping = 0;
         pthread_t thread;
         pthread_attr_t attributes;
         pthread_attr_init(&attributes);
@@ -110,7 +121,12 @@ static void start_workers(int wanted, uint64_t job) {
     }
 }
 
-static void forget_workers(void) { pool.workers = 0; } /* a forked child has none of them */
+/* A forked child has none of the workers, and a lock one of them held at the fork would stay held. */
+static void forget_workers(void) {
+    pthread_mutex_init(&pool.calls, NULL);
+    pthread_mutex_init(&pool.sleep, NULL);
+    pool.workers = 0;
+}
 
 static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_workers); }
 
@@ -134,7 +150,8 @@ void pool_for(int threads, int64_t count, pool_task task, void *context) {
     atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.job, (((before >> 32) + 1) << 32) | (uint64_t)joining, memory_order_release);
     pthread_mutex_lock(&pool.sleep);
-    if (pool.sleeping) pthread_cond_broadcast(&pool.wake);
+    for (int id = 1; id < joining; id++)
+        if (pool.slots[id].sleeping) pthread_cond_signal(&pool.slots[id].wake);
     pthread_mutex_unlock(&pool.sleep);
     run_tasks();
     while (atomic_load_explicit(&pool.finished, memory_order_acquire) < joining - 1) relax();

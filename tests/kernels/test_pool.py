@@ -1,0 +1,66 @@
+"""The C kernels' one thread pool (csrc/pool.c): callers from several threads take turns and get
+their own results, and a forked child starts its own workers instead of waiting on its parent's."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from agentfold.kernels import int8_gemm, rowwise
+
+pytestmark = pytest.mark.skipif(not int8_gemm.available(), reason="no C compiler here")
+
+
+def _operands(seed: int) -> tuple[torch.Tensor, int8_gemm.PackedWeight, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randint(-128, 128, (7, 577), dtype=torch.int8, generator=generator)
+    w = torch.randint(-127, 128, (1000, 577), dtype=torch.int8, generator=generator)
+    return a, int8_gemm.pack(w), torch._int_mm(a, w.t())
+
+
+def test_callers_on_several_threads_get_their_own_results():
+    jobs = [_operands(seed) for seed in range(4)]
+    norms = [torch.randn(33, 576, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
+    weight = torch.rand(576, generator=torch.Generator().manual_seed(9))
+    expected = [rowwise.rms_norm(x, weight, 1e-6) for x in norms]
+    failures: list[str] = []
+
+    def caller(index: int) -> None:
+        a, packed, product = jobs[index]
+        for _ in range(200):
+            if not torch.equal(int8_gemm.int_mm(a, packed, threads=2), product):
+                failures.append(f"gemm {index}")
+            if not torch.equal(rowwise.rms_norm(norms[index], weight, 1e-6), expected[index]):
+                failures.append(f"norm {index}")
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a caller hung"
+    assert not failures, failures[:5]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_runs_the_pool():
+    a, packed, product = _operands(5)
+    assert torch.equal(int8_gemm.int_mm(a, packed, threads=2), product)  # the parent's workers exist now
+    pid = os.fork()
+    if pid == 0:  # the child: its own workers, the same product
+        ok = torch.equal(int8_gemm.int_mm(a, packed, threads=2), product)
+        os._exit(0 if ok else 1)
+    deadline_pid, status = 0, 0
+    for _ in range(600):
+        deadline_pid, status = os.waitpid(pid, os.WNOHANG)
+        if deadline_pid:
+            break
+        threading.Event().wait(0.1)
+    if not deadline_pid:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in the pool")
+    assert os.waitstatus_to_exitcode(status) == 0
