@@ -234,7 +234,10 @@ def test_full_disk_warns_and_keeps_serving(api_server, tmp_path):  # noqa: F811
     home = tmp_path / "tiny"
     home.mkdir()
     prefix = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs "$0" && exec "$@"', str(home)]
-    messages = [{"role": "user", "content": "Name an animal."}]
+    # ~200 prompt tokens: a snapshot of 4+ MB in float16 (SmolLM2: 30 layers x 2 x 3 heads x 64), so
+    # whatever the KV dtype it cannot fit the 1 MB the store's SQLite index and telemetry share
+    rules = " ".join(f"Rule {n}: answer with one common word, no punctuation, no explanation." for n in range(1, 16))
+    messages = [{"role": "system", "content": rules}, {"role": "user", "content": "Name an animal."}]
     with ServerProcess(home, SERVE, prefix=prefix, log_path=tmp_path / "serve.log") as server:
         for session in ("full-1", "full-1", "full-2"):
             assert text(ask(server.url, messages, session=session)) == fresh(api_server, messages)
