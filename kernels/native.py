@@ -82,6 +82,13 @@ def build(extra: Sequence[str] = (), folder: Path | None = None) -> Path | None:
     return target
 
 
+def expected() -> bool:
+    """Whether the library should load here: a C compiler is found and AGENTFOLD_NATIVE=0 is not
+    set. Where this is True and `load` still returns None, the build failed (the tests fail then,
+    they do not skip)."""
+    return compiler() is not None and os.environ.get("AGENTFOLD_NATIVE", "1") != "0"
+
+
 def load(signatures: dict[str, list | tuple[list, Any]]) -> ctypes.CDLL | None:
     """The library (built on first use, loaded once per process) with the functions in
     `signatures` typed (name -> argtypes, for functions that return nothing, or (argtypes,

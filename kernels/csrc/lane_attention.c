@@ -15,8 +15,9 @@
  * (lane, kv head) tasks of the kernels' pool (pool.h).
  *
  * The cache holds float32 or float16 (IEEE binary16) keys and values. A float16 block of 16 keys
- * (or values) is widened to float32 once per task, for all of its queries: widening is exact, so
- * the arithmetic after it is the float32 kernel's, on the values the cache holds. The call can
+ * is widened to float32 once per task, for all of its queries, and a value row as it is read for a
+ * sub-group of queries: widening is exact, so the arithmetic after it is the float32 kernel's, on
+ * the values the cache holds. The call can
  * also store the pass's own new keys and values into each lane's cache first (rounded to nearest
  * even when the cache is float16, as torch's conversion does), inside the task that then reads
  * them: one call per layer for every lane, with no per-lane work left to the caller.
@@ -28,8 +29,11 @@
 
 #include "pool.h"
 
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h> /* float16 conversions */
+#endif
+
 #define W 16
-#define CHUNKS 16 /* vectors of one row's weighted sum kept in registers at a time (d <= 256 at once) */
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
@@ -121,6 +125,8 @@ static inline void widen(const void *from, int64_t half, int64_t count, float *t
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= count; i += 16) _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
 #endif
     for (; i < count; i++) to[i] = half_to_float(h[i]);
 }
@@ -197,9 +203,10 @@ DEFINE_VEXP(vexp8, v8, v8i)
  * lanes' first and last keys (an empty range for padding lanes). `scores` writes keys j0..j0+count-1
  * (rows at rows[0..count-1], widened, d elements) into e [span][V] (key j at (j - first) * V);
  * `softmax` then turns e's span keys into numerators and writes the lanes' sums. KEYS keys at once
- * share the loads of qt and keep that many FMA chains in flight (4 measured best here, both widths). */
-#define KEYS 4
-#define DEFINE_GROUP(SCORES, SOFTMAX, VT, VIT, V, MADD, VEXP, SPLAT)                                              \
+ * share the loads of qt and keep that many FMA chains in flight: 8 for the 8-wide group (two
+ * 256-bit FMA pipes of 4 cycles' latency), 4 for the 16-wide one (measured on Zen 4: 8 made it 20%
+ * slower, 4 made the 8-wide one 10% slower). Which keys share a step never changes a bit. */
+#define DEFINE_GROUP(SCORES, SOFTMAX, VT, VIT, V, MADD, VEXP, SPLAT, KEYS)                                              \
     static void SCORES(const float *qt, const int32_t *low, const int32_t *high, int64_t d, float scale,    \
                        int64_t first, int64_t j0, int64_t count, const float *const *rows, float *e) {        \
         VIT lo, hi;                                                                                       \
@@ -249,8 +256,8 @@ DEFINE_VEXP(vexp8, v8, v8i)
         }                                                                                                 \
         memcpy(sums, &sum, sizeof sum);                                                                   \
     }
-DEFINE_GROUP(scores16, softmax16, vf, vi, W, madd, vexp16, splat)
-DEFINE_GROUP(scores8, softmax8, v8, v8i, G8, madd8, vexp8, splat8)
+DEFINE_GROUP(scores16, softmax16, vf, vi, W, madd, vexp16, splat, 4)
+DEFINE_GROUP(scores8, softmax8, v8, v8i, G8, madd8, vexp8, splat8, 8)
 
 static inline int64_t lowest_key(int64_t position, int64_t window) {
     return window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
@@ -263,13 +270,128 @@ static inline void *cache_row(void *base, int64_t half, int64_t index, int64_t d
 
 /* Ask for the cache rows of the block of 16 starting at `from` (up to `last`) ahead of their use:
  * the blocks are streamed from memory once per task, and the work on one block hides the next
- * ones' latency. (Speed only.) */
+ * ones' latency. `fetch_ahead`: PREFETCH_BLOCKS blocks ahead into L1; `fetch_far`: into L2, the
+ * keys FAR blocks ahead and each value block as its key block is read, so the values' pass finds
+ * them in L2 (25% less time at 8 lanes of 4 rows on Zen 4). (Speed only.) */
 #define PREFETCH_BLOCKS 4
-static inline void fetch_ahead(void *base, int64_t half, int64_t from, int64_t last, int64_t d) {
-    if (from > last) return;
-    int64_t count = last - from + 1 < W ? last - from + 1 : W;
-    const char *p = cache_row(base, half, from, d), *end = cache_row(base, half, from + count, d);
-    for (; p < end; p += 64) __builtin_prefetch(p);
+#define FAR 16
+#define FETCH(NAME, ...)                                                                           \
+    static inline void NAME(void *base, int64_t half, int64_t from, int64_t last, int64_t d) {     \
+        if (from > last) return;                                                                   \
+        int64_t count = last - from + 1 < W ? last - from + 1 : W;                                 \
+        const char *p = cache_row(base, half, from, d), *end = cache_row(base, half, from + count, d); \
+        for (; p < end; p += 64) __builtin_prefetch(p, ##__VA_ARGS__);                           \
+    }
+FETCH(fetch_ahead)
+FETCH(fetch_far, 0, 2)
+
+
+/* Query r's numerators in e (key j at (j - first) * its group's width) and that width. */
+static inline const float *weight_row(const float *e, int64_t r, int64_t queries, int64_t span) {
+    int64_t lane = r % W;
+    return e + (r - lane) * span + lane;
+}
+static inline int64_t weight_stride(int64_t r, int64_t queries) { return queries - (r - r % W) > G8 ? W : G8; }
+
+/* Value row j's elements c..c+15, widened when the cache is float16 (exact). */
+static inline vf value_chunk(const void *values, int64_t half, int64_t j, int64_t d, int64_t c) {
+    if (!half) return load((const float *)values + j * d + c);
+    const uint16_t *h = (const uint16_t *)values + j * d + c;
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#elif defined(__F16C__)
+    __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)),
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)))};
+    vf widened;
+    memcpy(&widened, halves, sizeof widened);
+    return widened;
+#else
+    float widened[W];
+    for (int i = 0; i < W; i++) widened[i] = half_to_float(h[i]);
+    return load(widened);
+#endif
+}
+
+static inline float value_at(const void *values, int64_t half, int64_t j, int64_t d, int64_t c) {
+    return half ? half_to_float(((const uint16_t *)values)[j * d + c]) : ((const float *)values)[j * d + c];
+}
+
+/* a[c] += weight(j) * value(j)[c] for keys j = from..to in ascending order (one query). The
+ * whole 16-wide chunks by `madd`, the rest of d (d % 16) by a product and a sum. */
+static void accumulate_range(float *a, const float *weights, int64_t stride, int64_t first, const void *values,
+                             int64_t half, int64_t from, int64_t to, int64_t d) {
+    if (from > to) return;
+    int64_t whole = d - d % W;
+    for (int64_t c0 = 0; c0 < whole; c0 += 4 * W) { /* 4 chunks at once: 4 chains in flight */
+        int64_t chunks = (whole - c0) / W < 4 ? (whole - c0) / W : 4;
+        vf part[4];
+        for (int64_t c = 0; c < chunks; c++) part[c] = load(a + c0 + c * W);
+        for (int64_t j = from; j <= to; j++) {
+            vf weight = splat(weights[(j - first) * stride]);
+            for (int64_t c = 0; c < chunks; c++) part[c] = madd(weight, value_chunk(values, half, j, d, c0 + c * W), part[c]);
+        }
+        for (int64_t c = 0; c < chunks; c++) store(a + c0 + c * W, part[c]);
+    }
+    for (int64_t c = whole; c < d; c++)
+        for (int64_t j = from; j <= to; j++) a[c] = a[c] + weights[(j - first) * stride] * value_at(values, half, j, d, c);
+}
+
+/* accumulate_range for n (<= SUB) consecutive queries over the same keys: CH chunks of their sums
+ * in registers at a time while each value row's chunk is read once for all of them. Per query
+ * and element the same operations in the same order as accumulate_range. */
+#if defined(__AVX512F__) /* 32 vector registers: 6 x 4 sums, 4 value chunks */
+#define SUB 6
+#define CH 4
+#else /* 16 registers of half the width: 2 x 2 sums (8), 2 value chunks (4) */
+#define SUB 2
+#define CH 2
+#endif
+static inline __attribute__((always_inline)) void accumulate_shared_n(
+    const int64_t n, float *acc, const float *const *weights_of, const int64_t *stride_of, int64_t first,
+    const void *values, int64_t half, int64_t from, int64_t to, int64_t d) {
+    int64_t whole = d - d % W;
+    for (int64_t c0 = 0; c0 < whole; c0 += CH * W) {
+        int64_t chunks = (whole - c0) / W < CH ? (whole - c0) / W : CH;
+        vf part[SUB][CH];
+        const float *w[SUB];
+        for (int64_t i = 0; i < n; i++) {
+            w[i] = weights_of[i] + (from - first) * stride_of[i];
+            for (int64_t c = 0; c < chunks; c++) part[i][c] = load(acc + i * d + c0 + c * W);
+        }
+        for (int64_t j = from; j <= to; j++) {
+            if (((j - from) & (W - 1)) == 0) fetch_ahead((void *)values, half, j + PREFETCH_BLOCKS * W, to, d);
+            vf x[CH];
+            for (int64_t c = 0; c < chunks; c++) x[c] = value_chunk(values, half, j, d, c0 + c * W);
+            for (int64_t i = 0; i < n; i++) {
+                vf weight = splat(*w[i]);
+                w[i] += stride_of[i];
+                for (int64_t c = 0; c < chunks; c++) part[i][c] = madd(weight, x[c], part[i][c]);
+            }
+        }
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t c = 0; c < chunks; c++) store(acc + i * d + c0 + c * W, part[i][c]);
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = whole; c < d; c++)
+            for (int64_t j = from; j <= to; j++)
+                acc[i * d + c] = acc[i * d + c] + weights_of[i][(j - first) * stride_of[i]] * value_at(values, half, j, d, c);
+}
+
+static inline __attribute__((always_inline)) void accumulate_shared(
+    int64_t n, float *acc, const float *const *weights_of, const int64_t *stride_of, int64_t first,
+    const void *values, int64_t half, int64_t from, int64_t to, int64_t d) {
+#define SHARED(N) accumulate_shared_n(N, acc, weights_of, stride_of, first, values, half, from, to, d)
+    switch (n < SUB ? n : SUB) {
+    case 1: SHARED(1); break;
+#if SUB > 2
+    case 2: SHARED(2); break;
+    case 3: SHARED(3); break;
+    case 4: SHARED(4); break;
+    case 5: SHARED(5); break;
+#endif
+    default: SHARED(SUB);
+    }
+#undef SHARED
 }
 
 /* One (lane, kv head) task: the `group` query heads that read kv head over rows 0..rows-1 at
@@ -277,7 +399,8 @@ static inline void fetch_ahead(void *base, int64_t half, int64_t from, int64_t l
  * r / group, head r % group (at q + row * q_stride + head * d). `new_keys` / `new_values` (row
  * strides k_stride / v_stride), when given, are the rows' own keys and values, stored at positions
  * start.. first. The keys are widened once for the task; the queries go by groups (above); the
- * values go by blocks of 16, widened once and read for every query of the task. */
+ * weighted sums go by sub-groups of queries (accumulate_shared), each value row read once for a
+ * sub-group. */
 static inline __attribute__((always_inline)) void attend_lane_group(
     const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
     int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
@@ -311,6 +434,8 @@ static inline __attribute__((always_inline)) void attend_lane_group(
         int64_t count = last - j0 + 1 < W ? last - j0 + 1 : W;
         const float *rows_of[W];
         fetch_ahead(keys, half, j0 + PREFETCH_BLOCKS * W, last, d);
+        fetch_far(keys, half, j0 + FAR * W, last, d);
+        fetch_far(values, half, j0, last, d);
         if (half) widen(cache_row(keys, half, j0, d), half, count * d, wide);
         for (int64_t j = 0; j < count; j++)
             rows_of[j] = half ? wide + j * d : (const float *)cache_row(keys, half, j0 + j, d);
@@ -329,32 +454,32 @@ static inline __attribute__((always_inline)) void attend_lane_group(
         if (queries - q0 > G8) softmax16(e + q0 * span, span, sums + q0);
         else softmax8(e + q0 * span, span, sums + q0);
     }
-    int64_t whole = d - d % W;
-    for (int64_t j0 = first; j0 <= last; j0 += W) { /* a block of values, read once for all queries */
-        int64_t count = last - j0 + 1 < W ? last - j0 + 1 : W;
-        const float *block = half ? wide : (const float *)cache_row(values, half, j0, d); /* value j0 + j at j * d */
-        fetch_ahead(values, half, j0 + PREFETCH_BLOCKS * W, last, d);
-        if (half) widen(cache_row(values, half, j0, d), half, count * d, wide);
-        for (int64_t r = 0; r < queries; r++) {
-            int64_t p = start + r / group, low = lowest_key(p, window);
-            int64_t from = j0 > low ? j0 : low, to = j0 + W - 1 < p ? j0 + W - 1 : p;
-            int64_t lane = r % W, v = queries - (r - lane) > G8 ? W : G8; /* its group's width */
-            const float *weights = e + (r - lane) * span + lane; /* key j's at (j - first) * v */
-            float *a = acc + r * d;
-            for (int64_t c0 = 0; c0 < whole; c0 += CHUNKS * W) { /* per element: keys in ascending order */
-                int64_t chunks = (whole - c0) / W < CHUNKS ? (whole - c0) / W : CHUNKS;
-                vf part[CHUNKS];
-                for (int64_t c = 0; c < chunks; c++) part[c] = load(a + c0 + c * W);
-                for (int64_t j = from; j <= to; j++) {
-                    vf weight = splat(weights[(j - first) * v]);
-                    const float *x = block + (j - j0) * d + c0;
-                    for (int64_t c = 0; c < chunks; c++) part[c] = madd(weight, load(x + c * W), part[c]);
-                }
-                for (int64_t c = 0; c < chunks; c++) store(a + c0 + c * W, part[c]);
+    /* The weighted sums, per query and element over its keys in ascending order, in three
+     * ranges: its own keys below the ones every query of the task sees, those shared keys (all of
+     * the context before the pass's rows: most of the work, by sub-groups of queries whose sums
+     * stay in registers while each value row is read once), then its own keys after them. */
+    int64_t shared_low = lowest_key(last, window), shared_high = start; /* every row sees these */
+    if (shared_low > shared_high) shared_low = shared_high + 1;
+    const float *weights_of[SUB];
+    int64_t stride_of[SUB];
+    for (int64_t r = 0; r < queries; r++) {
+        int64_t p = start + r / group, low = lowest_key(p, window);
+        accumulate_range(acc + r * d, weight_row(e, r, queries, span), weight_stride(r, queries), first, values, half,
+                         low, shared_low - 1 < p ? shared_low - 1 : p, d);
+    }
+    if (shared_low <= shared_high)
+        for (int64_t r0 = 0; r0 < queries; r0 += SUB) {
+            int64_t n = queries - r0 < SUB ? queries - r0 : SUB;
+            for (int64_t i = 0; i < n; i++) {
+                weights_of[i] = weight_row(e, r0 + i, queries, span);
+                stride_of[i] = weight_stride(r0 + i, queries);
             }
-            for (int64_t c = whole; c < d; c++)
-                for (int64_t j = from; j <= to; j++) a[c] = a[c] + weights[(j - first) * v] * block[(j - j0) * d + c];
+            accumulate_shared(n, acc + r0 * d, weights_of, stride_of, first, values, half, shared_low, shared_high, d);
         }
+    for (int64_t r = 0; r < queries; r++) {
+        int64_t p = start + r / group, low = lowest_key(p, window);
+        accumulate_range(acc + r * d, weight_row(e, r, queries, span), weight_stride(r, queries), first, values, half,
+                         shared_high + 1 > low ? shared_high + 1 : low, p, d);
     }
     for (int64_t r = 0; r < queries; r++) {
         float *o = out + (r / group) * q_stride + (r % group) * d;

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from agentfold.engine.torch.models.llama import Rope
-from agentfold.kernels import rowwise, torch_cpu
+from agentfold.kernels import native, rowwise, torch_cpu
 
-pytestmark = pytest.mark.skipif(rowwise.library() is None, reason="no C compiler here (or AGENTFOLD_NATIVE=0)")
+pytestmark = pytest.mark.skipif(not native.expected(), reason="no C compiler here (or AGENTFOLD_NATIVE=0)")
 
 ROWS = (1, 2, 3, 7, 16, 33, 64, 130)
 NORM_WIDTHS = (17, 64, 576, 1536)
