@@ -28,26 +28,12 @@
 #include <string.h>
 
 #include "pool.h"
+#include "vector16.h"
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h> /* float16 conversions */
 #endif
 
-#define W 16
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-
-static inline vf load(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-/* x in every lane: x - 0 is x exactly (-0 included), which the compiler emits as a plain broadcast
- * (0 + x would be an addition, slower, and +0 for -0) */
-static inline vf splat(float x) { return x - (vf){0}; }
 
 /* a * b + c for the dot products and weighted sums: one fused multiply-add (a single rounding)
  * where the CPU has it, else a multiply and an add; either way every call site always runs the
@@ -287,7 +273,7 @@ FETCH(fetch_far, 0, 2)
 
 
 /* Query r's numerators in e (key j at (j - first) * its group's width) and that width. */
-static inline const float *weight_row(const float *e, int64_t r, int64_t queries, int64_t span) {
+static inline const float *weight_row(const float *e, int64_t r, int64_t span) {
     int64_t lane = r % W;
     return e + (r - lane) * span + lane;
 }
@@ -464,21 +450,21 @@ static inline __attribute__((always_inline)) void attend_lane_group(
     int64_t stride_of[SUB];
     for (int64_t r = 0; r < queries; r++) {
         int64_t p = start + r / group, low = lowest_key(p, window);
-        accumulate_range(acc + r * d, weight_row(e, r, queries, span), weight_stride(r, queries), first, values, half,
+        accumulate_range(acc + r * d, weight_row(e, r, span), weight_stride(r, queries), first, values, half,
                          low, shared_low - 1 < p ? shared_low - 1 : p, d);
     }
     if (shared_low <= shared_high)
         for (int64_t r0 = 0; r0 < queries; r0 += SUB) {
             int64_t n = queries - r0 < SUB ? queries - r0 : SUB;
             for (int64_t i = 0; i < n; i++) {
-                weights_of[i] = weight_row(e, r0 + i, queries, span);
+                weights_of[i] = weight_row(e, r0 + i, span);
                 stride_of[i] = weight_stride(r0 + i, queries);
             }
             accumulate_shared(n, acc + r0 * d, weights_of, stride_of, first, values, half, shared_low, shared_high, d);
         }
     for (int64_t r = 0; r < queries; r++) {
         int64_t p = start + r / group, low = lowest_key(p, window);
-        accumulate_range(acc + r * d, weight_row(e, r, queries, span), weight_stride(r, queries), first, values, half,
+        accumulate_range(acc + r * d, weight_row(e, r, span), weight_stride(r, queries), first, values, half,
                          shared_high + 1 > low ? shared_high + 1 : low, p, d);
     }
     for (int64_t r = 0; r < queries; r++) {

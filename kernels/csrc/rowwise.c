@@ -25,8 +25,8 @@
 #include <string.h>
 
 #include "pool.h"
+#include "vector16.h"
 
-#define W 16
 #define BLOCK 1024 /* columns per elementwise task (a multiple of W) */
 /* Elements per thread (speed only: which thread computes a row or block changes no bit): a team
  * is at most `threads` strong, one thread per EXP_GRAIN elements of a transcendental op (a
@@ -37,18 +37,6 @@
 #ifndef MUL_GRAIN
 #define MUL_GRAIN 16384
 #endif
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-
-static inline vf load(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-static inline vf splat(float x) { return x - (vf){0}; } /* a plain broadcast (0 + x would be an addition) */
 
 /* the first k < W elements at p, the other lanes 0 */
 static inline vf load_part(const float *p, int64_t k) {
