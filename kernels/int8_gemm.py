@@ -13,12 +13,18 @@ Why it is faster than torch._int_mm at decode sizes: the weight is packed once (
 operand layout of vpdpbusd (16 output channels x 4 k per 64-byte vector), each weight vector is read
 once per call for all rows with software prefetch, and the threads split the output channels, so at
 M = 2..16 the call streams the weights at close to memory bandwidth; at larger M, register tiles of
-up to 4 x 16 channels x 6 rows keep vpdpbusd busy. Where torch._int_mm is faster (an Intel CPU with
-AMX at large M, say) `matmul` picks it: `faster_than_torch` times both once per process per
-(N, K, M bucket, threads), and since both are exact the choice never changes a bit. torch._int_mm is
-NOT exact on x86 CPUs without VNNI (oneDNN's AVX2 and plain AVX-512 int8 kernels use vpmaddubsw,
-whose int16 pair sums saturate: try ONEDNN_MAX_CPU_ISA=AVX2), so `faster_than_torch` also checks
-torch's result on full-range operands and never picks it where it differs.
+up to 4 x 16 channels x 6 rows keep vpdpbusd busy. On an Intel Xeon with AMX-INT8 (`isa()` "amx-int8")
+calls of 12 rows or more run on the tiles instead (tdpbusd: the same u8 x s8 products and int32 sums,
+about ten times vpdpbusd's rate; the packed layout is already its B operand), so a verify pass of 16
+rows of every reply costs little more than the weights' streaming. Where torch._int_mm is still
+faster `matmul` picks it: `faster_than_torch` times both once per process per (N, K, M bucket,
+threads), torch's call right after one of ours, as it runs in a pass (the kernels' pool keeps its
+workers spinning for a millisecond after a job, and torch's OpenMP threads then wait for a core:
+timed alone, torch._int_mm looked faster at 16-64 rows here and cost 1 ms a call in a pass). Since
+both are exact the choice never changes a bit. torch._int_mm is NOT exact on x86 CPUs without VNNI
+(oneDNN's AVX2 and plain AVX-512 int8 kernels use vpmaddubsw, whose int16 pair sums saturate: try
+ONEDNN_MAX_CPU_ISA=AVX2), so `faster_than_torch` also checks torch's result on full-range operands
+and never picks it where it differs.
 
 Without a C compiler (or AGENTFOLD_NATIVE=0) `available()` is False and `pack` / `int_mm` raise
 RuntimeError: check `available()` once and keep torch._int_mm on the plain int8 weight otherwise.
@@ -42,7 +48,7 @@ SIGNATURES: dict[str, list | tuple[list, object]] = {
     "int8_gemm": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _INT], _INT),
     "int8_linear": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT], _INT),
 }
-ISA_NAMES = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
+ISA_NAMES = {3: "amx-int8", 2: "avx512-vnni", 1: "avx2", 0: "portable"}
 BLOCK, GROUP = 16, 4  # the packed layout: blocks of 16 output channels, k in groups of 4
 
 
@@ -176,12 +182,14 @@ def bucket(m: int) -> int:
 
 
 def _best_time(fn, repeats: int) -> float:
+    """The best of `repeats` timings of fn() (after one to warm up); a fn that returns a float
+    reports its own time (the part of it being timed)."""
     fn()  # warm up (and build, the first time)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        own = fn()
+        best = min(best, own if isinstance(own, float) else time.perf_counter() - start)
     return best
 
 
@@ -222,12 +230,26 @@ def _time_both(packed: PackedWeight | tuple[int, int], n: int, k: int, rows: int
     torch.set_num_threads(threads)
     try:
         exact = torch.equal(torch._int_mm(a, probe.t()), int_mm(a, mine if mine is not None else ours, threads))
-        torch_s = _best_time(lambda: torch._int_mm(a, w.t()), repeats) if exact else float("inf")
+        torch_s = _best_time(_after_ours(lambda: torch._int_mm(a, w.t()), ours, k, threads), repeats) if exact else float("inf")
     except RuntimeError:
         torch_s = float("inf")
     finally:
         torch.set_num_threads(before)
     return ours_s <= torch_s
+
+
+def _after_ours(call, packed: PackedWeight, k: int, threads: int):
+    """`call` as a pass meets it: right after a small call of this kernel (so with the pool's
+    workers still spinning for the core torch's threads want); timed is `call` alone."""
+    row, out = torch.zeros(1, k, dtype=torch.int8), torch.empty(1, packed.n, dtype=torch.int32)
+
+    def timed() -> float:
+        int_mm(row, packed, threads, out)
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+
+    return timed
 
 
 def runs_here(packed: PackedWeight, m: int) -> bool:

@@ -11,7 +11,15 @@
  * channels: the operand layout of AVX-512 VNNI's vpdpbusd, which adds 4 u8 x s8 products into each
  * int32 lane.
  *
- * Paths (int8_gemm_isa() says which one was compiled):
+ * Paths (int8_gemm_isa() says which one runs):
+ *   3  AMX-INT8 (Intel Xeon 4th generation and later; Linux, which must grant the process the tile
+ *      state once: arch_prctl ARCH_REQ_XCOMP_PERM) for calls of AMX_MIN_ROWS rows or more where K is
+ *      a multiple of 64, the AVX-512 VNNI path below for the rest. tdpbusd is vpdpbusd on 16 x 16
+ *      tiles: the same u8 x s8 products of the same offset operands, summed into int32 lanes
+ *      without saturation, so the same integers by the same bounds; and the packed layout below is
+ *      already its B operand (a tile of 16 k groups of one block is 1 KB, rows 64 bytes apart).
+ *      About 10x vpdpbusd's multiply-adds per cycle: a verify pass of many rows costs what a
+ *      one-row pass costs, the weights' streaming from memory.
  *   2  AVX-512 VNNI. vpdpbusd takes unsigned bytes on one side, so A is offset to A + 128 (A xor 0x80,
  *      in [0, 255]) and 128 * colsum(W[n]) is subtracted at the end:
  *          sum_k (A + 128) W = sum_k A W + 128 sum_k W      (an identity of integers).
@@ -22,7 +30,7 @@
  *      it: both operands are sign-extended to int16 and multiplied with vpmaddwd, whose pair sums
  *      (|a w + a' w'| <= 2 * 128 * 128) and int32 accumulations are exact.
  *   0  portable C: int32 multiply-adds of the signed values, the same integers.
- * Define INT8_GEMM_FORCE_ISA=0 or 1 to compile a lower path (the tests check every path this way).
+ * Define INT8_GEMM_FORCE_ISA=0, 1 or 2 to compile a lower path (the tests check every path this way).
  *
  * Speed (AVX-512 path). The weights are the big operand at decode sizes, A is small and stays in
  * cache, so each weight vector is read from memory once per call for all M rows. A thread takes a
@@ -45,7 +53,7 @@
 #if defined(INT8_GEMM_FORCE_ISA)
 #define ISA_CAP INT8_GEMM_FORCE_ISA
 #else
-#define ISA_CAP 2
+#define ISA_CAP 3
 #endif
 
 #if ISA_CAP >= 2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -58,11 +66,40 @@
 #define ISA 0
 #endif
 
+#if ISA == 2 && ISA_CAP >= 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define AMX 1
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define AMX 0
+#endif
+
 #define BLOCK 16 /* output channels per packed block */
 #define GROUP 4  /* k per group */
 
-/* Which path was compiled: 2 AVX-512 VNNI, 1 AVX2 (vpmaddwd), 0 portable C. */
-int int8_gemm_isa(void) { return ISA; }
+#if AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+static int amx_granted;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static void amx_request(void) { amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+/* Whether this process may use the tiles (asked once; a kernel without AMX support refuses). */
+static int amx_usable(void) {
+    pthread_once(&amx_once, amx_request);
+    return amx_granted;
+}
+#endif
+
+/* Which path runs: 3 AMX-INT8 (with AVX-512 VNNI for few rows), 2 AVX-512 VNNI, 1 AVX2 (vpmaddwd),
+ * 0 portable C. */
+int int8_gemm_isa(void) {
+#if AMX
+    if (amx_usable()) return 3;
+#endif
+    return ISA;
+}
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -263,6 +300,152 @@ static void run_blocks(const uint8_t *au, int64_t m, int64_t kp, const int8_t *p
         fetched = sharers > 0 && next_nb > 0;
     }
 }
+
+#if AMX
+/* The AMX path: tiles of 16 rows x 64 bytes everywhere. A tile of A is 16 prepared rows (u8) by
+ * 64 k; a tile of B is one packed block's 16 k groups (16 rows of 16 channels x 4 k, 64 bytes
+ * apart: 1 KB of the packed layout, as it lies); a tile of C is 16 rows x 16 int32 sums. Register
+ * use: C 0..3, A 4 (and 5), B 5..7. The prepared rows are padded to a multiple of 16 with the
+ * offset of zero (their sums are never stored). */
+#define AMX_K 64         /* k per tile step */
+#define AMX_MIN_ROWS 12  /* fewer rows (int8 halves) go to the VNNI tiles: memory-bound either way */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void amx_configure(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Whether a call of m rows (int8 halves) with kp (packed k) runs on the tiles. */
+static inline int amx_runs(int64_t m, int64_t kp) { return m >= AMX_MIN_ROWS && kp % AMX_K == 0 && amx_usable(); }
+
+/* Ask for the next share of the weights while this one is multiplied: `lines` 64-byte lines from
+ * `ahead` into L2 (a k step of nb blocks reads nb KB; it asks for as many of the next panel's). */
+static inline void amx_fetch(const int8_t *ahead, int64_t lines) {
+    if (ahead == NULL) return;
+    for (int64_t i = 0; i < lines; i++) _mm_prefetch((const char *)(ahead + 64 * i), _MM_HINT_T1);
+}
+
+/* 16 rows (au, stride kp) times nb (1..4) consecutive blocks from wb -> out [16][64] int32; each
+ * k step also fetches nb KB from `ahead` on (NULL: none). */
+static inline void amx_rows16(int nb, const uint8_t *au, int64_t kp, const int8_t *wb, int32_t *out,
+                              const int8_t *ahead) {
+    const int64_t bstride = BLOCK * kp;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < kp; s += AMX_K) {
+        const int8_t *p = wb + s * BLOCK; /* k group s / 4 of the block: (s / 4) * 64 bytes in */
+        amx_fetch(ahead ? ahead + s * BLOCK * nb : NULL, 16 * nb);
+        _tile_loadd(4, au + s, kp);
+        _tile_loadd(5, p, 64);
+        _tile_dpbusd(0, 4, 5);
+        if (nb > 1) {
+            _tile_loadd(6, p + bstride, 64);
+            _tile_dpbusd(1, 4, 6);
+        }
+        if (nb > 2) {
+            _tile_loadd(7, p + 2 * bstride, 64);
+            _tile_dpbusd(2, 4, 7);
+        }
+        if (nb > 3) {
+            _tile_loadd(5, p + 3 * bstride, 64);
+            _tile_dpbusd(3, 4, 5);
+        }
+    }
+    _tile_stored(0, out, 4 * BLOCK * 4);
+    if (nb > 1) _tile_stored(1, out + BLOCK, 4 * BLOCK * 4);
+    if (nb > 2) _tile_stored(2, out + 2 * BLOCK, 4 * BLOCK * 4);
+    if (nb > 3) _tile_stored(3, out + 3 * BLOCK, 4 * BLOCK * 4);
+}
+
+/* 32 rows times nb (1..2) consecutive blocks -> out [32][64] int32 (columns past 16 * nb unused);
+ * each k step fetches nb KB from `ahead` on (NULL: none). */
+static inline void amx_rows32(int nb, const uint8_t *au, int64_t kp, const int8_t *wb, int32_t *out,
+                              const int8_t *ahead) {
+    const int64_t bstride = BLOCK * kp;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < kp; s += AMX_K) {
+        const int8_t *p = wb + s * BLOCK;
+        amx_fetch(ahead ? ahead + s * BLOCK * nb : NULL, 16 * nb);
+        _tile_loadd(4, au + s, kp);
+        _tile_loadd(5, au + 16 * kp + s, kp);
+        _tile_loadd(6, p, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+        if (nb > 1) {
+            _tile_loadd(7, p + bstride, 64);
+            _tile_dpbusd(1, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out, 4 * BLOCK * 4);
+    _tile_stored(2, out + 16 * 4 * BLOCK, 4 * BLOCK * 4);
+    if (nb > 1) {
+        _tile_stored(1, out + BLOCK, 4 * BLOCK * 4);
+        _tile_stored(3, out + 16 * 4 * BLOCK + BLOCK, 4 * BLOCK * 4);
+    }
+}
+
+/* Rows r0..r0+rows-1 of blocks b..b+nb-1 from the tile sums (out, row stride 64) into c, less
+ * 128 * colsum (the offset of A), the channels below n only: what the VNNI tiles store. */
+static inline void amx_store(const int32_t *out, int64_t rows, int nb, int64_t b, const int32_t *cs, int32_t *c,
+                             int64_t ldc, int64_t n) {
+    for (int j = 0; j < nb; j++) {
+        int64_t col = (b + j) * BLOCK;
+        __m512i fix = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(cs + col)), 7);
+        __mmask16 mask = col + BLOCK <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - col)) - 1u);
+        for (int64_t i = 0; i < rows; i++)
+            _mm512_mask_storeu_epi32((void *)(c + i * ldc + col), mask,
+                                     _mm512_sub_epi32(_mm512_loadu_si512((const void *)(out + i * 4 * BLOCK + j * BLOCK)), fix));
+    }
+}
+
+/* One thread's blocks [lo, hi) for all m rows (au padded to a multiple of 16 rows): panels of 4
+ * blocks, each over the rows by 32 (two A tiles, two blocks at a time) and a last 16. A thread's
+ * blocks lie one after the other in the packed weight, so the next panel starts where this one
+ * ends: the first pass over a panel's rows fetches the next panel into L2 as it goes (the weights
+ * are read from memory once, and their reads overlap the tiles' work); the first panel is asked
+ * for at the start. */
+static void run_blocks_amx(const uint8_t *au, int64_t m, int64_t kp, const int8_t *packed, const int32_t *colsums,
+                           int64_t n, int32_t *c, int64_t ldc, int64_t lo, int64_t hi) {
+    int32_t out[32 * 4 * BLOCK];
+    const int64_t bstride = BLOCK * kp;
+    amx_configure();
+    amx_fetch(packed + lo * bstride, (hi - lo < PANEL ? hi - lo : PANEL) * bstride / 64);
+    for (int64_t b = lo; b < hi; b += PANEL) {
+        int nb = hi - b < PANEL ? (int)(hi - b) : PANEL;
+        const int8_t *wb = packed + b * bstride, *next = b + nb < hi ? wb + nb * bstride : NULL;
+        int64_t r = 0;
+        for (; m - r > 16; r += 32)
+            for (int j = 0; j < nb; j += 2) {
+                int pair = nb - j < 2 ? nb - j : 2;
+                amx_rows32(pair, au + r * kp, kp, wb + j * bstride, out, r == 0 && next ? next + j * bstride : NULL);
+                amx_store(out, m - r < 32 ? m - r : 32, pair, b + j, colsums, c + r * ldc, ldc, n);
+            }
+        if (r < m) {
+            amx_rows16(nb, au + r * kp, kp, wb, out, r == 0 ? next : NULL);
+            amx_store(out, m - r, nb, b, colsums, c + r * ldc, ldc, n);
+        }
+    }
+    _tile_release();
+}
+#endif /* AMX */
 #endif /* ISA == 2 */
 
 #if ISA == 1
@@ -346,7 +529,19 @@ static void prepare(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_
         for (int64_t j = k; j < kp; j++) buf[i * kp + j] = 0x80u;
     }
 }
+#if AMX
+/* Rows of a prepared buffer: the AMX tiles read whole tiles of 16 rows (the padding rows hold the
+ * offset of zero, 0x80, and their sums are never stored). */
+static inline int64_t buffer_rows(int64_t m, int64_t kp) { return amx_runs(m, kp) ? round_up(m, 16) : m; }
+static inline void pad_rows(int64_t m, int64_t kp, act_t *buf) {
+    memset(buf + m * kp, 0x80, (size_t)((buffer_rows(m, kp) - m) * kp));
+}
+#define RUN(lo, hi)                                                                \
+    (amx_runs(m, kp) ? run_blocks_amx(buf, m, kp, packed, colsums, n, c, ldc, lo, hi) \
+                     : run_blocks(buf, m, kp, packed, colsums, n, c, ldc, lo, hi))
+#else
 #define RUN(lo, hi) run_blocks(buf, m, kp, packed, colsums, n, c, ldc, lo, hi)
+#endif
 #elif ISA == 1
 typedef int16_t act_t;
 static void prepare(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k, int64_t kp, act_t *buf) {
@@ -362,6 +557,10 @@ static void prepare(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_
 
 #if ISA == 0
 typedef int8_t act_t; /* unused: the portable path reads A itself */
+#endif
+#if !AMX
+static inline int64_t buffer_rows(int64_t m, int64_t kp) { (void)kp; return m; }
+static inline void pad_rows(int64_t m, int64_t kp, act_t *buf) { (void)m, (void)kp, (void)buf; }
 #endif
 
 /* One call's operands; share t of `shares` takes its part of the 16-channel blocks. */
@@ -386,8 +585,9 @@ static void gemm_share(void *context, int64_t t) {
     int32_t *c = job->c;
     (void)a, (void)k, (void)lda, (void)colsums;
 #if ISA != 0
-    act_t *buf = job->bufs + t * m * kp;
+    act_t *buf = job->bufs + t * buffer_rows(m, kp) * kp;
     prepare(a, lda, 0, m, k, kp, buf);
+    pad_rows(m, kp, buf);
 #endif
     share(job->nblocks, job->shares, (int)t, &lo, &hi);
     RUN(lo, hi);
@@ -420,7 +620,7 @@ int int8_gemm(const int8_t *a, int64_t m, int64_t k, int64_t lda, const int8_t *
     /* One copy of the prepared rows per share: each prepares all of them itself (m * k bytes,
      * cheap) and reads them from its own core's cache, rather than sharing one copy that the other
      * core would then fetch line by line. */
-    job.bufs = malloc((size_t)(threads * m * kp) * sizeof(act_t));
+    job.bufs = malloc((size_t)(threads * buffer_rows(m, kp) * kp) * sizeof(act_t));
     if (job.bufs == NULL) return -1;
 #endif
     pool_for(threads, threads, gemm_share, &job);
@@ -455,8 +655,9 @@ static void linear_share(void *context, int64_t t) {
     int32_t *tile = job->tiles + t * m * ldc;
     (void)a, (void)k, (void)lda, (void)colsums;
 #if ISA != 0
-    act_t *buf = g->bufs + t * m * kp;
+    act_t *buf = g->bufs + t * buffer_rows(m, kp) * kp;
     prepare(a, lda, 0, m, k, kp, buf);
+    pad_rows(m, kp, buf);
 #endif
     share(g->nblocks, g->shares, (int)t, &lo, &hi);
     for (int64_t b0 = lo; b0 < hi; b0 += LINEAR_CHUNK) {
@@ -479,7 +680,7 @@ int int8_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const int8_t 
     int8_t *a = malloc((size_t)(halves * (k > 0 ? k : 1)));
     float *row_scales = malloc(sizeof(float) * (size_t)m);
     int32_t *tiles = malloc(sizeof(int32_t) * (size_t)(threads * halves * LINEAR_CHUNK * BLOCK));
-    act_t *bufs = ISA != 0 ? malloc((size_t)(threads * halves * kp) * sizeof(act_t)) : NULL;
+    act_t *bufs = ISA != 0 ? malloc((size_t)(threads * buffer_rows(halves, kp) * kp) * sizeof(act_t)) : NULL;
     int failed = !a || !row_scales || !tiles || (ISA != 0 && !bufs);
     if (!failed) {
         for (int64_t i = 0; i < m; i++) row_scales[i] = quantize_one(x + i * ldx, k, a + i * k, a + (m + i) * k);

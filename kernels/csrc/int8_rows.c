@@ -9,6 +9,7 @@
 
 #include "int8_rows.h"
 #include "pool.h"
+#include "vector16.h"
 
 
 /* Elements per task of the kernels' pool (speed only: any split gives the same bits). */
@@ -24,8 +25,18 @@ struct quantize_job {
 /* One row: its scale (max |x| / ACT_LEVELS, 1 for a zero row) and its 16-bit integers as int8
  * halves hi, lo (q = 256 hi + lo). Shared with int8_gemm.c's fused linear (int8_rows.h). */
 float quantize_one(const float *row, int64_t k, int8_t *hi, int8_t *lo) {
+    /* The largest |x| (NaN never taken: x > amax is false). A maximum does not depend on the
+     * order it is taken in, so 16 running maxima and then their maximum give the scalar loop's
+     * value, without its chain of dependent compares (4 cycles each, most of a row's time). */
+    vf top = (vf){0};
+    int64_t j = 0;
+    for (; j + W <= k; j += W) {
+        vf a = (vf)((vi)load(row + j) & (vi){0} + 0x7fffffff); /* |x|: the sign bit cleared, as fabsf */
+        top = (vf)(((vi)a & (a > top)) | ((vi)top & ~(a > top)));
+    }
     float amax = 0.0f;
-    for (int64_t j = 0; j < k; j++) {
+    for (int i = 0; i < W; i++) amax = top[i] > amax ? top[i] : amax;
+    for (; j < k; j++) {
         float a = fabsf(row[j]);
         amax = a > amax ? a : amax;
     }

@@ -1,7 +1,8 @@
 """The C int8 GEMM (kernels/int8_gemm.py, csrc/int8_gemm.c) equals torch._int_mm bit for bit.
 
-Exact integer sums cannot depend on the kernel, so every path (AVX-512 VNNI, AVX2, portable C), shape,
-thread count and row count must give exactly torch._int_mm's int32 result.
+Exact integer sums cannot depend on the kernel, so every path (AMX-INT8, AVX-512 VNNI, AVX2, portable C),
+shape, thread count and row count must give exactly torch._int_mm's int32 result. The AMX tiles take
+calls of 12 rows or more where K is a multiple of 64 (576, 1536 below), so the row counts straddle that.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def lib():
 
 
 def test_reports_a_path(lib):
-    assert int8_gemm.isa() in ("avx512-vnni", "avx2", "portable")
+    assert int8_gemm.isa() in ("amx-int8", "avx512-vnni", "avx2", "portable")
 
 
 @pytest.mark.parametrize("m", MS)
@@ -156,7 +157,7 @@ def test_buckets():
 
 # --- every compiled path, built here with INT8_GEMM_FORCE_ISA (the same C source, lower paths)
 
-@pytest.fixture(scope="module", params=[0, 1, 2], ids=["portable", "avx2", "avx512-vnni"])
+@pytest.fixture(scope="module", params=[0, 1, 2, 3], ids=["portable", "avx2", "avx512-vnni", "amx-int8"])
 def variant(request, tmp_path_factory):
     isa = request.param
     path = native.build([f"-DINT8_GEMM_FORCE_ISA={isa}"], folder=tmp_path_factory.mktemp(f"isa{isa}"))
@@ -183,11 +184,12 @@ def _run(lib, a: torch.Tensor, packed: int8_gemm.PackedWeight, threads: int) -> 
 
 @pytest.mark.parametrize("t", [1, 2])
 def test_every_path_equals_torch(lib, variant, t):
-    for m in [1, 2, 3, 7, 17, 64]:
-        for k in [4, 17, 576]:
+    for m in [1, 2, 3, 7, 11, 12, 17, 33, 64]:
+        for k in [4, 17, 64, 576]:
             for n in [1, 15, 33, 960]:
                 a, w = _operands(m, k, n, seed=m + 7 * k + 13 * n)
                 assert torch.equal(_run(variant, a, int8_gemm.pack(w), t), torch._int_mm(a, w.t())), (m, k, n)
-    a = torch.full((5, 1536), -128, dtype=torch.int8)
     w = torch.cat([torch.full((8, 1536), 127, dtype=torch.int8), torch.full((9, 1536), -127, dtype=torch.int8)])
-    assert torch.equal(_run(variant, a, int8_gemm.pack(w), t), torch._int_mm(a, w.t()))
+    for m in (5, 40):  # the largest sums, on the VNNI tiles and (40 rows) on the AMX ones
+        a = torch.full((m, 1536), -128, dtype=torch.int8)
+        assert torch.equal(_run(variant, a, int8_gemm.pack(w), t), torch._int_mm(a, w.t()))
