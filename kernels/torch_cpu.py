@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from agentfold.kernels import native
 
-VERSION = 4  # bump when any kernel's arithmetic changes (it is part of snapshot keys)
+VERSION = 5  # bump when any kernel's arithmetic changes (it is part of snapshot keys); 5: lane attention sums by key lanes
 PER_ROW_LIMIT = 64  # passes wider than this are prefill chunks: batched, not row-exact
 PREFILL_BLOCK = 256  # query rows per batched attention call (bounds the score matrix)
 PROBE_ROWS = 16  # the widest block `linear` checks for

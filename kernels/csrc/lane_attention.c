@@ -10,14 +10,15 @@
  * libm's, so its vector and scalar forms cannot differ.
  *
  * What the call saves over one torch attention call per row: a lane's keys and values are read
- * once for all of its rows and all the query heads that share them (the loops run key by key,
- * queries inside), and one call covers all lanes and heads of a layer, split over threads by
- * (lane, kv head) tasks of the kernels' pool (pool.h).
+ * once for all of its rows and all the query heads that share them (the scores run block of keys
+ * by block, queries inside; the weighted sums value row by row, queries inside), and one call
+ * covers all lanes and heads of a layer, split over threads by (lane, kv head) tasks of the
+ * kernels' pool (pool.h).
  *
  * The cache holds float32 or float16 (IEEE binary16) keys and values. A float16 block of 16 keys
- * is widened to float32 once per task, for all of its queries, and a value row as it is read for a
- * sub-group of queries: widening is exact, so the arithmetic after it is the float32 kernel's, on
- * the values the cache holds. The call can
+ * is widened (and transposed) once per task, for all of its queries, and a value row as it is read
+ * for a sub-group of queries: widening is exact, so the arithmetic after it is the float32
+ * kernel's, on the values the cache holds. The call can
  * also store the pass's own new keys and values into each lane's cache first (rounded to nearest
  * even when the cache is float16, as torch's conversion does), inside the task that then reads
  * them: one call per layer for every lane, with no per-lane work left to the caller.
@@ -135,115 +136,68 @@ static inline void narrow(const float *from, int64_t half, int64_t count, void *
 /* Whether `madd` is fused here (part of the kernel's name in snapshot keys: other bits). */
 int lane_attention_fused(void) { return FUSED; }
 
-/* Scores, softmax and weighted sums go by "groups" of up to 16 (or, for a last group of at most
- * 8, 8) of a task's queries, one query per vector lane: the key-major half of the work (each
- * key's dot product with every query of the group, the softmax's max, exponentials and sum) is
- * plain lane-wise arithmetic, with no sum across lanes. A lane's operations use only its own
- * query, so neither the group's other queries, nor its width, nor which group a query falls in
- * can change a bit. Per query and key: dot = fma(k[c], q[c], dot) for c = 0..d-1 from +0, times
- * the scale; the keys outside the query's own (its window's start to its position) get -inf, so
- * they add exact zeros to the sums that follow (a sum that starts at +0 and adds only zeros and
- * positive or signed terms is unchanged by a zero; it can never be -0). */
-#define G8 8
-typedef float v8 __attribute__((vector_size(G8 * sizeof(float))));
-typedef int32_t v8i __attribute__((vector_size(G8 * sizeof(int32_t))));
-
-static inline v8 splat8(float x) { return x - (v8){0}; }
-
-#if defined(__FMA__)
-static inline v8 madd8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-#else
-static inline v8 madd8(v8 a, v8 b, v8 c) { return a * b + c; }
-#endif
+/* The scores go by blocks of 16 keys at absolute positions 16b..16b+15, one key per vector lane:
+ * each block of the cache is widened and transposed once per task (kt[c][t] = key 16b + t's element
+ * c), then every query of the task runs d fused multiply-adds over it, lane t holding its dot
+ * product with key 16b + t. Per query and key that is the chain dot = fma(k[c], q[c], dot) for
+ * c = 0..d-1 from +0, times the scale: nothing a lane computes depends on the other lanes, the
+ * other queries or how many there are. Keys outside the query's own (its window's start to its
+ * position) get -inf, so they add exact zeros to the sums that follow (a sum that starts at +0
+ * and adds only zeros and positive terms is unchanged by a zero; it can never be -0).
+ *
+ * The softmax: the largest score (a maximum: the same in any order), each numerator
+ * exp(score - largest) in the key's lane, and their sum as 16 running sums, lane t over the keys
+ * 16b + t in ascending b, then a fixed tree over the 16 lanes. Lanes are tied to absolute key
+ * positions, so a query's sum has the same terms in the same order whatever block its task
+ * starts from (blocks outside its keys add only zeros).
+ *
+ * (Until VERSION 5 a task's queries sat in the vector lanes and each key was broadcast to them:
+ * 64 multiply-adds per key for a task of 3 queries, most lanes idle. Keys in lanes cost 4 per key
+ * and query, and the transposition 20 per key, shared by the task's queries.) */
 
 /* exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n); 0 below
- * -87 and for -inf and NaN. The same lane-wise operations for either width. */
-#define DEFINE_VEXP(NAME, VT, VIT)                                                                        \
-    static inline VT NAME(VT x) {                                                                         \
-        const VT floor_ = (VT){0} - 87.0f;                                                                \
-        const VIT keep = x >= floor_;                                                                     \
-        x = (VT)(((VIT)x & keep) | ((VIT)floor_ & ~keep));                                                \
-        VT fx = x * ((VT){0} + 1.44269504088896341f) + ((VT){0} + 0.5f);                                  \
-        VIT n = __builtin_convertvector(fx, VIT);                                                         \
-        VT nf = __builtin_convertvector(n, VT);                                                           \
-        VIT above = nf > fx; /* truncation rounded up (negative fx): floor is one less */                 \
-        n = n + above;                                                                                    \
-        nf = __builtin_convertvector(n, VT);                                                              \
-        VT r = x - nf * ((VT){0} + 0.693359375f);                                                         \
-        r = r - nf * ((VT){0} - 2.12194440e-4f);                                                          \
-        VT z = r * r;                                                                                     \
-        VT y = (VT){0} + 1.9875691500e-4f;                                                                \
-        y = y * r + ((VT){0} + 1.3981999507e-3f);                                                         \
-        y = y * r + ((VT){0} + 8.3334519073e-3f);                                                         \
-        y = y * r + ((VT){0} + 4.1665795894e-2f);                                                         \
-        y = y * r + ((VT){0} + 1.6666665459e-1f);                                                         \
-        y = y * r + ((VT){0} + 5.0000001201e-1f);                                                         \
-        y = y * z + r + ((VT){0} + 1.0f);                                                                 \
-        VIT bits = (n + 127) << 23;                                                                       \
-        return (VT)((VIT)(y * (VT)bits) & keep);                                                          \
-    }
-DEFINE_VEXP(vexp16, vf, vi)
-DEFINE_VEXP(vexp8, v8, v8i)
+ * -87 and for -inf and NaN. Lane-wise operations only. */
+static inline vf vexp16(vf x) {
+    const vf floor_ = (vf){0} - 87.0f;
+    const vi keep = x >= floor_;
+    x = (vf)(((vi)x & keep) | ((vi)floor_ & ~keep));
+    vf fx = x * ((vf){0} + 1.44269504088896341f) + ((vf){0} + 0.5f);
+    vi n = __builtin_convertvector(fx, vi);
+    vf nf = __builtin_convertvector(n, vf);
+    vi above = nf > fx; /* truncation rounded up (negative fx): floor is one less */
+    n = n + above;
+    nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * ((vf){0} + 0.693359375f);
+    r = r - nf * ((vf){0} - 2.12194440e-4f);
+    vf z = r * r;
+    vf y = (vf){0} + 1.9875691500e-4f;
+    y = y * r + ((vf){0} + 1.3981999507e-3f);
+    y = y * r + ((vf){0} + 8.3334519073e-3f);
+    y = y * r + ((vf){0} + 4.1665795894e-2f);
+    y = y * r + ((vf){0} + 1.6666665459e-1f);
+    y = y * r + ((vf){0} + 5.0000001201e-1f);
+    y = y * z + r + ((vf){0} + 1.0f);
+    vi bits = (n + 127) << 23;
+    return (vf)((vi)(y * (vf)bits) & keep);
+}
 
-/* One group, V lanes wide: qt [d][V] the queries transposed (zeros past the last), low / high the
- * lanes' first and last keys (an empty range for padding lanes). `scores` writes keys j0..j0+count-1
- * (rows at rows[0..count-1], widened, d elements) into e [span][V] (key j at (j - first) * V);
- * `softmax` then turns e's span keys into numerators and writes the lanes' sums. KEYS keys at once
- * share the loads of qt and keep that many FMA chains in flight: 8 for the 8-wide group (two
- * 256-bit FMA pipes of 4 cycles' latency), 4 for the 16-wide one (measured on Zen 4: 8 made it 20%
- * slower, 4 made the 8-wide one 10% slower). Which keys share a step never changes a bit. */
-#define DEFINE_GROUP(SCORES, SOFTMAX, VT, VIT, V, MADD, VEXP, SPLAT, KEYS)                                              \
-    static void SCORES(const float *qt, const int32_t *low, const int32_t *high, int64_t d, float scale,    \
-                       int64_t first, int64_t j0, int64_t count, const float *const *rows, float *e) {        \
-        VIT lo, hi;                                                                                       \
-        memcpy(&lo, low, sizeof lo);                                                                      \
-        memcpy(&hi, high, sizeof hi);                                                                     \
-        for (int64_t j = 0; j < count; j += KEYS) {                                                       \
-            int64_t n = count - j < KEYS ? count - j : KEYS;                                              \
-            VT acc[KEYS];                                                                                 \
-            for (int t = 0; t < KEYS; t++) acc[t] = (VT){0};                                              \
-            if (n == KEYS) {                                                                              \
-                for (int64_t c = 0; c < d; c++) {                                                         \
-                    VT column;                                                                            \
-                    memcpy(&column, qt + c * V, sizeof column);                                           \
-                    for (int t = 0; t < KEYS; t++) acc[t] = MADD(SPLAT(rows[j + t][c]), column, acc[t]);      \
-                }                                                                                         \
-            } else {                                                                                      \
-                for (int t = 0; t < n; t++)                                                               \
-                    for (int64_t c = 0; c < d; c++) {                                                     \
-                        VT column;                                                                        \
-                        memcpy(&column, qt + c * V, sizeof column);                                       \
-                        acc[t] = MADD(SPLAT(rows[j + t][c]), column, acc[t]);                             \
-                    }                                                                                     \
-            }                                                                                             \
-            for (int t = 0; t < n; t++) {                                                                 \
-                VIT key = (VIT){0} + (int32_t)(j0 + j + t);                                               \
-                VIT seen = (key >= lo) & (key <= hi);                                                     \
-                VT score = acc[t] * SPLAT(scale);                                                         \
-                score = (VT)(((VIT)score & seen) | ((VIT)((VT){0} - INFINITY) & ~seen));                  \
-                memcpy(e + (j0 + j + t - first) * V, &score, sizeof score);                               \
-            }                                                                                             \
-        }                                                                                                 \
-    }                                                                                                     \
-    static void SOFTMAX(float *e, int64_t span, float *sums) {                                            \
-        VT top = (VT){0} - INFINITY; /* each lane's largest score (a max: any order, the same bits) */     \
-        for (int64_t j = 0; j < span; j++) {                                                              \
-            VT s;                                                                                         \
-            memcpy(&s, e + j * V, sizeof s);                                                              \
-            top = (VT)(((VIT)s & (s > top)) | ((VIT)top & ~(s > top)));                                   \
-        }                                                                                                 \
-        VT sum = (VT){0};                                                                                 \
-        for (int64_t j = 0; j < span; j++) {                                                              \
-            VT s;                                                                                         \
-            memcpy(&s, e + j * V, sizeof s);                                                              \
-            VT x = VEXP(s - top);                                                                         \
-            memcpy(e + j * V, &x, sizeof x);                                                              \
-            sum = sum + x;                                                                                \
-        }                                                                                                 \
-        memcpy(sums, &sum, sizeof sum);                                                                   \
-    }
-DEFINE_GROUP(scores16, softmax16, vf, vi, W, madd, vexp16, splat, 4)
-DEFINE_GROUP(scores8, softmax8, v8, v8i, G8, madd8, vexp8, splat8, 8)
+/* Lane-wise larger of a and b, b where they tie or a is NaN (a maximum in any order). */
+static inline vf vmax(vf a, vf b) { return (vf)(((vi)a & (a > b)) | ((vi)b & ~(a > b))); }
+
+/* The 16 lanes' sum by a fixed tree (pairs of lanes i, i + 8, then i, i + 4, ...). */
+static inline float tree_sum(vf v) {
+    float x[W];
+    memcpy(x, &v, sizeof x);
+    for (int width = W / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) x[i] = x[i] + x[i + width];
+    return x[0];
+}
+
+static inline float lane_max(vf v) {
+    float top = -INFINITY;
+    for (int i = 0; i < W; i++) top = v[i] > top ? v[i] : top;
+    return top;
+}
 
 static inline int64_t lowest_key(int64_t position, int64_t window) {
     return window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
@@ -256,11 +210,10 @@ static inline void *cache_row(void *base, int64_t half, int64_t index, int64_t d
 
 /* Ask for the cache rows of the block of 16 starting at `from` (up to `last`) ahead of their use:
  * the blocks are streamed from memory once per task, and the work on one block hides the next
- * ones' latency. `fetch_ahead`: PREFETCH_BLOCKS blocks ahead into L1; `fetch_far`: into L2, the
- * keys FAR blocks ahead and each value block as its key block is read, so the values' pass finds
+ * ones' latency. `fetch_ahead`: PREFETCH_BLOCKS blocks ahead into L1; `fetch_far`: into L2, each
+ * value block as its key block is read, so the values' pass finds
  * them in L2 (25% less time at 8 lanes of 4 rows on Zen 4). (Speed only.) */
 #define PREFETCH_BLOCKS 4
-#define FAR 16
 #define FETCH(NAME, ...)                                                                           \
     static inline void NAME(void *base, int64_t half, int64_t from, int64_t last, int64_t d) {     \
         if (from > last) return;                                                                   \
@@ -271,13 +224,6 @@ static inline void *cache_row(void *base, int64_t half, int64_t index, int64_t d
 FETCH(fetch_ahead)
 FETCH(fetch_far, 0, 2)
 
-
-/* Query r's numerators in e (key j at (j - first) * its group's width) and that width. */
-static inline const float *weight_row(const float *e, int64_t r, int64_t span) {
-    int64_t lane = r % W;
-    return e + (r - lane) * span + lane;
-}
-static inline int64_t weight_stride(int64_t r, int64_t queries) { return queries - (r - r % W) > G8 ? W : G8; }
 
 /* Value row j's elements c..c+15, widened when the cache is float16 (exact). */
 static inline vf value_chunk(const void *values, int64_t half, int64_t j, int64_t d, int64_t c) {
@@ -304,8 +250,8 @@ static inline float value_at(const void *values, int64_t half, int64_t j, int64_
 
 /* a[c] += weight(j) * value(j)[c] for keys j = from..to in ascending order (one query). The
  * whole 16-wide chunks by `madd`, the rest of d (d % 16) by a product and a sum. */
-static void accumulate_range(float *a, const float *weights, int64_t stride, int64_t first, const void *values,
-                             int64_t half, int64_t from, int64_t to, int64_t d) {
+static void accumulate_range(float *a, const float *weights, int64_t first, const void *values, int64_t half,
+                             int64_t from, int64_t to, int64_t d) {
     if (from > to) return;
     int64_t whole = d - d % W;
     for (int64_t c0 = 0; c0 < whole; c0 += 4 * W) { /* 4 chunks at once: 4 chains in flight */
@@ -313,13 +259,13 @@ static void accumulate_range(float *a, const float *weights, int64_t stride, int
         vf part[4];
         for (int64_t c = 0; c < chunks; c++) part[c] = load(a + c0 + c * W);
         for (int64_t j = from; j <= to; j++) {
-            vf weight = splat(weights[(j - first) * stride]);
+            vf weight = splat(weights[j - first]);
             for (int64_t c = 0; c < chunks; c++) part[c] = madd(weight, value_chunk(values, half, j, d, c0 + c * W), part[c]);
         }
         for (int64_t c = 0; c < chunks; c++) store(a + c0 + c * W, part[c]);
     }
     for (int64_t c = whole; c < d; c++)
-        for (int64_t j = from; j <= to; j++) a[c] = a[c] + weights[(j - first) * stride] * value_at(values, half, j, d, c);
+        for (int64_t j = from; j <= to; j++) a[c] = a[c] + weights[j - first] * value_at(values, half, j, d, c);
 }
 
 /* accumulate_range for n (<= SUB) consecutive queries over the same keys: CH chunks of their sums
@@ -333,15 +279,15 @@ static void accumulate_range(float *a, const float *weights, int64_t stride, int
 #define CH 2
 #endif
 static inline __attribute__((always_inline)) void accumulate_shared_n(
-    const int64_t n, float *acc, const float *const *weights_of, const int64_t *stride_of, int64_t first,
-    const void *values, int64_t half, int64_t from, int64_t to, int64_t d) {
+    const int64_t n, float *acc, const float *const *weights_of, int64_t first, const void *values, int64_t half,
+    int64_t from, int64_t to, int64_t d) {
     int64_t whole = d - d % W;
     for (int64_t c0 = 0; c0 < whole; c0 += CH * W) {
         int64_t chunks = (whole - c0) / W < CH ? (whole - c0) / W : CH;
         vf part[SUB][CH];
         const float *w[SUB];
         for (int64_t i = 0; i < n; i++) {
-            w[i] = weights_of[i] + (from - first) * stride_of[i];
+            w[i] = weights_of[i] + (from - first);
             for (int64_t c = 0; c < chunks; c++) part[i][c] = load(acc + i * d + c0 + c * W);
         }
         for (int64_t j = from; j <= to; j++) {
@@ -350,7 +296,7 @@ static inline __attribute__((always_inline)) void accumulate_shared_n(
             for (int64_t c = 0; c < chunks; c++) x[c] = value_chunk(values, half, j, d, c0 + c * W);
             for (int64_t i = 0; i < n; i++) {
                 vf weight = splat(*w[i]);
-                w[i] += stride_of[i];
+                w[i]++;
                 for (int64_t c = 0; c < chunks; c++) part[i][c] = madd(weight, x[c], part[i][c]);
             }
         }
@@ -360,13 +306,13 @@ static inline __attribute__((always_inline)) void accumulate_shared_n(
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = whole; c < d; c++)
             for (int64_t j = from; j <= to; j++)
-                acc[i * d + c] = acc[i * d + c] + weights_of[i][(j - first) * stride_of[i]] * value_at(values, half, j, d, c);
+                acc[i * d + c] = acc[i * d + c] + weights_of[i][j - first] * value_at(values, half, j, d, c);
 }
 
 static inline __attribute__((always_inline)) void accumulate_shared(
-    int64_t n, float *acc, const float *const *weights_of, const int64_t *stride_of, int64_t first,
-    const void *values, int64_t half, int64_t from, int64_t to, int64_t d) {
-#define SHARED(N) accumulate_shared_n(N, acc, weights_of, stride_of, first, values, half, from, to, d)
+    int64_t n, float *acc, const float *const *weights_of, int64_t first, const void *values, int64_t half,
+    int64_t from, int64_t to, int64_t d) {
+#define SHARED(N) accumulate_shared_n(N, acc, weights_of, first, values, half, from, to, d)
     switch (n < SUB ? n : SUB) {
     case 1: SHARED(1); break;
 #if SUB > 2
@@ -380,12 +326,75 @@ static inline __attribute__((always_inline)) void accumulate_shared(
 #undef SHARED
 }
 
+/* Keys j0..j0+count-1 of a float32 or float16 cache widened and transposed into kt [d][16]
+ * (key j0 + t in lane t; lanes past count zero). Data movement only: exact, by any method. */
+static inline void transpose_keys(const void *keys, int64_t half, int64_t j0, int64_t count, int64_t d, float *kt) {
+#if defined(__AVX512F__)
+    if (d % W == 0) {
+        for (int64_t c0 = 0; c0 < d; c0 += W) {
+            __m512 r[W], t[W];
+            for (int i = 0; i < W; i++) {
+                if (i >= count) {
+                    r[i] = _mm512_setzero_ps();
+                } else if (half) {
+                    r[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)keys + (j0 + i) * d + c0)));
+                } else {
+                    r[i] = _mm512_loadu_ps((const float *)keys + (j0 + i) * d + c0);
+                }
+            }
+            /* rows i -> columns: pairs of rows interleaved, then pairs of pairs (each 128-bit lane
+             * then holds one column of 4 rows), then the 128-bit lanes gathered 4 x 4 */
+            for (int i = 0; i < W; i += 2) {
+                t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+                t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+            }
+            for (int g = 0; g < 4; g++) { /* r[4g + k]: lane L holds column 4L + k of rows 4g..4g+3 */
+                __m512d lo0 = _mm512_castps_pd(t[4 * g]), lo1 = _mm512_castps_pd(t[4 * g + 2]);
+                __m512d hi0 = _mm512_castps_pd(t[4 * g + 1]), hi1 = _mm512_castps_pd(t[4 * g + 3]);
+                r[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo0, lo1));
+                r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo0, lo1));
+                r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
+                r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
+            }
+            for (int k = 0; k < 4; k++) {
+                __m512 u0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44), u1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xEE);
+                __m512 u2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44);
+                __m512 u3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xEE);
+                _mm512_storeu_ps(kt + (c0 + k) * W, _mm512_shuffle_f32x4(u0, u2, 0x88));
+                _mm512_storeu_ps(kt + (c0 + 4 + k) * W, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+                _mm512_storeu_ps(kt + (c0 + 8 + k) * W, _mm512_shuffle_f32x4(u1, u3, 0x88));
+                _mm512_storeu_ps(kt + (c0 + 12 + k) * W, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t c = 0; c < d; c++)
+        for (int64_t i = 0; i < W; i++) kt[c * W + i] = i < count ? value_at(keys, half, j0 + i, d, c) : 0.0f;
+}
+
+/* n (<= 4) queries' scores over one or two transposed blocks (kt0, and kt1 when `two`): s[i][b]
+ * the lanes' dot products with query i (rows at qv + i * d). 8 independent chains keep two FMA
+ * pipes of 4 cycles' latency busy. n and two are constants at every call site. */
+static inline __attribute__((always_inline)) void block_scores(const int n, const int two, const float *qv, int64_t d,
+                                                               const float *kt0, const float *kt1, vf s[4][2]) {
+    for (int i = 0; i < 4; i++) s[i][0] = s[i][1] = (vf){0};
+    for (int64_t c = 0; c < d; c++) {
+        vf k0 = load(kt0 + c * W), k1 = two ? load(kt1 + c * W) : (vf){0};
+        for (int i = 0; i < n; i++) {
+            vf q = splat(qv[i * d + c]);
+            s[i][0] = madd(k0, q, s[i][0]);
+            if (two) s[i][1] = madd(k1, q, s[i][1]);
+        }
+    }
+}
+
 /* One (lane, kv head) task: the `group` query heads that read kv head over rows 0..rows-1 at
  * positions start.., keys / values [capacity, d] (float32, or float16 when `half`). Query r is row
  * r / group, head r % group (at q + row * q_stride + head * d). `new_keys` / `new_values` (row
  * strides k_stride / v_stride), when given, are the rows' own keys and values, stored at positions
- * start.. first. The keys are widened once for the task; the queries go by groups (above); the
- * weighted sums go by sub-groups of queries (accumulate_shared), each value row read once for a
+ * start.. first. Each block of keys is widened and transposed once for all of the task's queries;
+ * the weighted sums go by sub-groups of queries (accumulate_shared), each value row read once for a
  * sub-group. */
 static inline __attribute__((always_inline)) void attend_lane_group(
     const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
@@ -397,48 +406,62 @@ static inline __attribute__((always_inline)) void attend_lane_group(
             narrow(new_values + r * v_stride, half, d, cache_row(values, half, start + r, d));
         }
     int64_t queries = rows * group, first = lowest_key(start, window), last = start + rows - 1;
-    int64_t span = last - first + 1, groups = (queries + W - 1) / W, rest = queries % W;
-    int64_t lanes = (queries / W) * W + (rest > G8 ? W : rest ? G8 : 0); /* every group's lanes */
-    float *e = malloc(sizeof(float) * (size_t)(span * lanes)); /* numerators, group after group */
-    float *sums = malloc(sizeof(float) * (size_t)lanes);
-    float *qt = malloc(sizeof(float) * (size_t)(d * lanes)); /* each group's queries, transposed */
-    int32_t *bounds = malloc(sizeof(int32_t) * (size_t)(2 * lanes)); /* each lane's first and last key */
+    int64_t base = first - first % W, blocks = (last - base) / W + 1, span = blocks * W; /* aligned to 16 */
+    float *e = malloc(sizeof(float) * (size_t)(span * queries)); /* scores, then numerators: [query][key - base] */
+    float *qv = malloc(sizeof(float) * (size_t)(queries * d));   /* the queries, one after the other */
+    float *kt = malloc(sizeof(float) * (size_t)(2 * d * W));     /* two blocks of keys, transposed */
+    vf *top = aligned_alloc(sizeof(vf), sizeof(vf) * (size_t)queries); /* each query's largest score per lane */
+    vi *low = aligned_alloc(sizeof(vi), sizeof(vi) * (size_t)queries), *high = aligned_alloc(sizeof(vi), sizeof(vi) * (size_t)queries);
+    float *sums = malloc(sizeof(float) * (size_t)queries);
     float *acc = calloc((size_t)(queries * d), sizeof(float));
-    float *wide = half ? malloc(sizeof(float) * (size_t)(W * d)) : NULL; /* one block, widened */
-    if ((half && !wide) || !e || !sums || !qt || !bounds || !acc) abort();
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t q0 = g * W, count = queries - q0 < W ? queries - q0 : W, v = count > G8 ? W : G8;
-        for (int64_t i = 0; i < v; i++) {
-            int64_t p = start + (q0 + i) / group;
-            bounds[2 * q0 + i] = i < count ? (int32_t)lowest_key(p, window) : 1; /* padding lanes: no key */
-            bounds[2 * q0 + v + i] = i < count ? (int32_t)p : 0;
-            for (int64_t c = 0; c < d; c++)
-                qt[q0 * d + c * v + i] = i < count ? q[((q0 + i) / group) * q_stride + ((q0 + i) % group) * d + c] : 0.0f;
+    if (!e || !qv || !kt || !top || !low || !high || !sums || !acc) abort();
+    for (int64_t r = 0; r < queries; r++) {
+        int64_t p = start + r / group;
+        memcpy(qv + r * d, q + (r / group) * q_stride + (r % group) * d, sizeof(float) * (size_t)d);
+        top[r] = (vf){0} - INFINITY;
+        low[r] = (vi){0} + (int32_t)lowest_key(p, window);
+        high[r] = (vi){0} + (int32_t)p;
+    }
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t b = 0; b < blocks; b += 2) { /* two blocks of keys at a time, each read once for all queries */
+        int64_t j0 = base + b * W, two = b + 1 < blocks;
+        for (int64_t h = 0; h <= two; h++) {
+            int64_t from = j0 + h * W, count = last - from + 1 < W ? last - from + 1 : W;
+            fetch_ahead(keys, half, from + PREFETCH_BLOCKS * W, last, d);
+            fetch_far(values, half, from, last, d);
+            transpose_keys(keys, half, from, count, d, kt + h * d * W);
+        }
+        for (int64_t i0 = 0; i0 < queries; i0 += 4) {
+            int64_t n = queries - i0 < 4 ? queries - i0 : 4;
+            vf s[4][2];
+#define SCORES(N) (two ? block_scores(N, 1, qv + i0 * d, d, kt, kt + d * W, s) : block_scores(N, 0, qv + i0 * d, d, kt, kt, s))
+            switch (n) {
+            case 1: SCORES(1); break;
+            case 2: SCORES(2); break;
+            case 3: SCORES(3); break;
+            default: SCORES(4);
+            }
+#undef SCORES
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t h = 0; h <= two; h++) {
+                    vi key = lane + (int32_t)(j0 + h * W);
+                    vi seen = (key >= low[i0 + i]) & (key <= high[i0 + i]);
+                    vf score = s[i][h] * splat(scale);
+                    score = (vf)(((vi)score & seen) | ((vi)((vf){0} - INFINITY) & ~seen));
+                    store(e + (i0 + i) * span + (b + h) * W, score);
+                    top[i0 + i] = vmax(score, top[i0 + i]);
+                }
         }
     }
-    for (int64_t j0 = first; j0 <= last; j0 += W) { /* a block of keys, read (and widened) once for all queries */
-        int64_t count = last - j0 + 1 < W ? last - j0 + 1 : W;
-        const float *rows_of[W];
-        fetch_ahead(keys, half, j0 + PREFETCH_BLOCKS * W, last, d);
-        fetch_far(keys, half, j0 + FAR * W, last, d);
-        fetch_far(values, half, j0, last, d);
-        if (half) widen(cache_row(keys, half, j0, d), half, count * d, wide);
-        for (int64_t j = 0; j < count; j++)
-            rows_of[j] = half ? wide + j * d : (const float *)cache_row(keys, half, j0 + j, d);
-        for (int64_t g = 0; g < groups; g++) {
-            int64_t q0 = g * W, v = queries - q0 > G8 ? W : G8;
-            if (v == W)
-                scores16(qt + q0 * d, bounds + 2 * q0, bounds + 2 * q0 + v, d, scale, first, j0, count, rows_of,
-                         e + q0 * span);
-            else
-                scores8(qt + q0 * d, bounds + 2 * q0, bounds + 2 * q0 + v, d, scale, first, j0, count, rows_of,
-                        e + q0 * span);
+    for (int64_t r = 0; r < queries; r++) {
+        vf largest = splat(lane_max(top[r])), part = (vf){0};
+        float *row = e + r * span;
+        for (int64_t j = 0; j < span; j += W) {
+            vf x = vexp16(load(row + j) - largest);
+            store(row + j, x);
+            part = part + x;
         }
-    }
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t q0 = g * W;
-        if (queries - q0 > G8) softmax16(e + q0 * span, span, sums + q0);
-        else softmax8(e + q0 * span, span, sums + q0);
+        sums[r] = tree_sum(part);
     }
     /* The weighted sums, per query and element over its keys in ascending order, in three
      * ranges: its own keys below the ones every query of the task sees, those shared keys (all of
@@ -447,37 +470,34 @@ static inline __attribute__((always_inline)) void attend_lane_group(
     int64_t shared_low = lowest_key(last, window), shared_high = start; /* every row sees these */
     if (shared_low > shared_high) shared_low = shared_high + 1;
     const float *weights_of[SUB];
-    int64_t stride_of[SUB];
     for (int64_t r = 0; r < queries; r++) {
-        int64_t p = start + r / group, low = lowest_key(p, window);
-        accumulate_range(acc + r * d, weight_row(e, r, span), weight_stride(r, queries), first, values, half,
-                         low, shared_low - 1 < p ? shared_low - 1 : p, d);
+        int64_t p = start + r / group, lowest = lowest_key(p, window);
+        accumulate_range(acc + r * d, e + r * span, base, values, half, lowest,
+                         shared_low - 1 < p ? shared_low - 1 : p, d);
     }
     if (shared_low <= shared_high)
         for (int64_t r0 = 0; r0 < queries; r0 += SUB) {
             int64_t n = queries - r0 < SUB ? queries - r0 : SUB;
-            for (int64_t i = 0; i < n; i++) {
-                weights_of[i] = weight_row(e, r0 + i, span);
-                stride_of[i] = weight_stride(r0 + i, queries);
-            }
-            accumulate_shared(n, acc + r0 * d, weights_of, stride_of, first, values, half, shared_low, shared_high, d);
+            for (int64_t i = 0; i < n; i++) weights_of[i] = e + (r0 + i) * span;
+            accumulate_shared(n, acc + r0 * d, weights_of, base, values, half, shared_low, shared_high, d);
         }
     for (int64_t r = 0; r < queries; r++) {
-        int64_t p = start + r / group, low = lowest_key(p, window);
-        accumulate_range(acc + r * d, weight_row(e, r, span), weight_stride(r, queries), first, values, half,
-                         shared_high + 1 > low ? shared_high + 1 : low, p, d);
+        int64_t p = start + r / group, lowest = lowest_key(p, window);
+        accumulate_range(acc + r * d, e + r * span, base, values, half,
+                         shared_high + 1 > lowest ? shared_high + 1 : lowest, p, d);
     }
     for (int64_t r = 0; r < queries; r++) {
         float *o = out + (r / group) * q_stride + (r % group) * d;
-        float total = sums[r]; /* lane r % 16 of its group: groups start at multiples of 16 */
-        for (int64_t c = 0; c < d; c++) o[c] = acc[r * d + c] / total;
+        for (int64_t c = 0; c < d; c++) o[c] = acc[r * d + c] / sums[r];
     }
     free(e);
+    free(qv);
+    free(kt);
+    free(top);
+    free(low);
+    free(high);
     free(sums);
-    free(qt);
-    free(bounds);
     free(acc);
-    free(wide);
 }
 
 /* attend_lane_group compiled for the common head sizes as constants (loops unroll); the same
