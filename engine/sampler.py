@@ -49,11 +49,15 @@ class SamplingParams:
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 arrays (arithmetic modulo 2**64: numpy's uint64 wraps)."""
     with np.errstate(over="ignore"):
-        x = (x + _GOLDEN) & _MASK64
-        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
-        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
-        return x ^ (x >> np.uint64(31))
+        x = x + _GOLDEN
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        return x
 
 
 def uniform(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
@@ -64,22 +68,30 @@ def uniform(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         key = _splitmix64(np.array([np.uint64(seed & 0xFFFFFFFFFFFFFFFF)], dtype=np.uint64))
         key = _splitmix64(key ^ np.uint64(position & 0xFFFFFFFFFFFFFFFF))
-        bits = _splitmix64(key ^ token_ids.astype(np.uint64))
-    u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+        bits = _splitmix64(token_ids.astype(np.uint64) ^ key)
+    bits >>= np.uint64(11)
+    u = bits.astype(np.float64)
+    u += 0.5
+    u *= 1.0 / 9007199254740992.0
     # (2**53 - 1) + 0.5 rounds to 2**53 in float64, so the top 53-bit value gave u == 1.0 and g == +inf;
     # clamp it to the largest float64 below 1 (every other value is unchanged).
-    return np.minimum(u, _BELOW_ONE)
+    return np.minimum(u, _BELOW_ONE, out=u)
 
 
 def gumbel(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
     """g = -log(-log(u)): the noise that turns an argmax into an exact softmax draw."""
-    return -np.log(-np.log(uniform(seed, position, token_ids)))
+    g = np.log(uniform(seed, position, token_ids))
+    np.negative(g, out=g)
+    np.log(g, out=g)
+    return np.negative(g, out=g)
 
 
 def candidates(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Token ids that survive top-k, then top-p, then min-p (on softmax(logits / T)), ascending."""
+    ids = _all_ids(logits.shape[0])
+    if not (params.top_k and params.top_k < logits.shape[0]) and params.top_p >= 1.0 and params.min_p <= 0.0:
+        return ids  # no filter: every token
     logits = logits.astype(np.float64)
-    ids = np.arange(logits.shape[0])
     if params.top_k and params.top_k < logits.shape[0]:
         order = np.lexsort((ids, -logits))  # by logit descending, ties to the lowest id
         ids = np.sort(order[: params.top_k])
@@ -100,12 +112,27 @@ def candidates(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return ids
 
 
+def _all_ids(vocab: int) -> np.ndarray:
+    """0..vocab-1 (a shared read-only array: callers never write to it)."""
+    ids = _ALL_IDS.get(vocab)
+    if ids is None:
+        ids = _ALL_IDS[vocab] = np.arange(vocab)
+        ids.flags.writeable = False
+    return ids
+
+
+_ALL_IDS: dict[int, np.ndarray] = {}
+
+
 def choose(logits: np.ndarray, position: int, params: SamplingParams) -> int:
     """The token for absolute `position` from one row of logits (float32, shape [vocab])."""
     if params.greedy:
         return int(np.argmax(logits))  # first maximum: ties go to the lowest id
     ids = candidates(logits, params)
-    scores = logits[ids].astype(np.float64) / params.temperature + gumbel(params.seed, position, ids)
+    every = ids.shape[0] == logits.shape[0]  # no filter cut a token: the row as it is, no gather
+    scores = (logits if every else logits[ids]).astype(np.float64)
+    scores /= params.temperature
+    scores += gumbel(params.seed, position, ids)
     return int(ids[int(np.argmax(scores))])
 
 
