@@ -25,6 +25,7 @@ LIBRARY = "kernels"
 # No -ffast-math, no contraction into fused multiply-adds: each C operation is one IEEE operation.
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 _LOADED: list[ctypes.CDLL | None] = []  # the library, once `load` has looked for it
+_TYPED: dict[int, dict] = {}  # the signature tables already applied to it, by id
 
 
 def cache_folder() -> Path:
@@ -103,10 +104,11 @@ def load(signatures: dict[str, list | tuple[list, Any]]) -> ctypes.CDLL | None:
                 lib = None
         _LOADED.append(lib)
     lib = _LOADED[0]
-    if lib is None:
-        return None
+    if lib is None or id(signatures) in _TYPED:  # (callers pass module constants: typed once, not per call)
+        return lib
     for function, signature in signatures.items():
         argtypes, restype = signature if isinstance(signature, tuple) else (signature, None)
         getattr(lib, function).argtypes = argtypes
         getattr(lib, function).restype = restype
+    _TYPED[id(signatures)] = signatures  # (kept alive, so that its id is never reused)
     return lib

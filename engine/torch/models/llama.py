@@ -327,8 +327,11 @@ class Transformer(nn.Module):
         for one in passes:
             spans.append((begin, one.rows, one.start))
             begin += one.rows
+            end = one.start + one.rows
             for index in layers:  # room for the pass's rows now: no cache moves while the pass runs
-                one.caches[index].reserve(one.start + one.rows)
+                cache = one.caches[index]
+                if cache.keys.shape[1] < end:  # (the check inline: a call per layer and lane cost ~1 ms a pass)
+                    cache.reserve(end)
         if begin != h.shape[0]:
             raise ValueError(f"the passes hold {begin} rows, the hidden states {h.shape[0]}")
         positions = torch.cat([torch.arange(one.start, one.start + one.rows) for one in passes]).to(h.device)
