@@ -330,117 +330,68 @@ static void amx_configure(void) {
 /* Whether a call of m rows (int8 halves) with kp (packed k) runs on the tiles. */
 static inline int amx_runs(int64_t m, int64_t kp) { return m >= AMX_MIN_ROWS && kp % AMX_K == 0 && amx_usable(); }
 
-/* Ask for the next share of the weights while this one is multiplied: `lines` 64-byte lines from
- * `ahead` into L2 (a k step of nb blocks reads nb KB; it asks for as many of the next panel's). */
-static inline void amx_fetch(const int8_t *ahead, int64_t lines) {
-    if (ahead == NULL) return;
-    for (int64_t i = 0; i < lines; i++) _mm_prefetch((const char *)(ahead + 64 * i), _MM_HINT_T1);
-}
+#define AMX_AHEAD 4096 /* bytes ahead in the weight stream a k step asks for (into L1) */
 
-/* 16 rows (au, stride kp) times nb (1..4) consecutive blocks from wb -> out [16][64] int32; each
- * k step also fetches nb KB from `ahead` on (NULL: none). */
-static inline void amx_rows16(int nb, const uint8_t *au, int64_t kp, const int8_t *wb, int32_t *out,
-                              const int8_t *ahead) {
-    const int64_t bstride = BLOCK * kp;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t s = 0; s < kp; s += AMX_K) {
-        const int8_t *p = wb + s * BLOCK; /* k group s / 4 of the block: (s / 4) * 64 bytes in */
-        amx_fetch(ahead ? ahead + s * BLOCK * nb : NULL, 16 * nb);
-        _tile_loadd(4, au + s, kp);
-        _tile_loadd(5, p, 64);
-        _tile_dpbusd(0, 4, 5);
-        if (nb > 1) {
-            _tile_loadd(6, p + bstride, 64);
-            _tile_dpbusd(1, 4, 6);
-        }
-        if (nb > 2) {
-            _tile_loadd(7, p + 2 * bstride, 64);
-            _tile_dpbusd(2, 4, 7);
-        }
-        if (nb > 3) {
-            _tile_loadd(5, p + 3 * bstride, 64);
-            _tile_dpbusd(3, 4, 5);
-        }
-    }
-    _tile_stored(0, out, 4 * BLOCK * 4);
-    if (nb > 1) _tile_stored(1, out + BLOCK, 4 * BLOCK * 4);
-    if (nb > 2) _tile_stored(2, out + 2 * BLOCK, 4 * BLOCK * 4);
-    if (nb > 3) _tile_stored(3, out + 3 * BLOCK, 4 * BLOCK * 4);
-}
+/* One block (wb: its 16 k groups per tile, kp / 64 tiles one after the other) for up to 32 rows:
+ * C tiles c0 (rows 0..15) and c1 (rows 16..31, when two), A tiles 4 and 5, B tile b. The block's
+ * weights are read in memory order, and each k step asks for the line AMX_AHEAD bytes on. */
+#define AMX_BLOCK(c0, c1, b, two)                                                         \
+    do {                                                                                  \
+        _tile_zero(c0);                                                                   \
+        if (two) _tile_zero(c1);                                                          \
+        for (int64_t s = 0; s < kp; s += AMX_K) {                                         \
+            const int8_t *p = wb + s * BLOCK;                                             \
+            for (int l = 0; l < 16; l++) _mm_prefetch((const char *)(p + AMX_AHEAD + 64 * l), _MM_HINT_T0); \
+            _tile_loadd(b, p, 64);                                                        \
+            _tile_loadd(4, au + s, kp);                                                   \
+            _tile_dpbusd(c0, 4, b);                                                       \
+            if (two) {                                                                    \
+                _tile_loadd(5, au + 16 * kp + s, kp);                                     \
+                _tile_dpbusd(c1, 5, b);                                                   \
+            }                                                                             \
+        }                                                                                 \
+        _tile_stored(c0, out, BLOCK * 4);                                                 \
+        if (two) _tile_stored(c1, out + 16 * BLOCK, BLOCK * 4);                           \
+    } while (0)
 
-/* 32 rows times nb (1..2) consecutive blocks -> out [32][64] int32 (columns past 16 * nb unused);
- * each k step fetches nb KB from `ahead` on (NULL: none). */
-static inline void amx_rows32(int nb, const uint8_t *au, int64_t kp, const int8_t *wb, int32_t *out,
-                              const int8_t *ahead) {
-    const int64_t bstride = BLOCK * kp;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t s = 0; s < kp; s += AMX_K) {
-        const int8_t *p = wb + s * BLOCK;
-        amx_fetch(ahead ? ahead + s * BLOCK * nb : NULL, 16 * nb);
-        _tile_loadd(4, au + s, kp);
-        _tile_loadd(5, au + 16 * kp + s, kp);
-        _tile_loadd(6, p, 64);
-        _tile_dpbusd(0, 4, 6);
-        _tile_dpbusd(2, 5, 6);
-        if (nb > 1) {
-            _tile_loadd(7, p + bstride, 64);
-            _tile_dpbusd(1, 4, 7);
-            _tile_dpbusd(3, 5, 7);
-        }
-    }
-    _tile_stored(0, out, 4 * BLOCK * 4);
-    _tile_stored(2, out + 16 * 4 * BLOCK, 4 * BLOCK * 4);
-    if (nb > 1) {
-        _tile_stored(1, out + BLOCK, 4 * BLOCK * 4);
-        _tile_stored(3, out + 16 * 4 * BLOCK + BLOCK, 4 * BLOCK * 4);
-    }
-}
-
-/* Rows r0..r0+rows-1 of blocks b..b+nb-1 from the tile sums (out, row stride 64) into c, less
+/* Rows r0..r0+rows-1 of block b from the tile sums (out [32][16], row stride 16) into c, less
  * 128 * colsum (the offset of A), the channels below n only: what the VNNI tiles store. */
-static inline void amx_store(const int32_t *out, int64_t rows, int nb, int64_t b, const int32_t *cs, int32_t *c,
-                             int64_t ldc, int64_t n) {
-    for (int j = 0; j < nb; j++) {
-        int64_t col = (b + j) * BLOCK;
-        __m512i fix = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(cs + col)), 7);
-        __mmask16 mask = col + BLOCK <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - col)) - 1u);
-        for (int64_t i = 0; i < rows; i++)
-            _mm512_mask_storeu_epi32((void *)(c + i * ldc + col), mask,
-                                     _mm512_sub_epi32(_mm512_loadu_si512((const void *)(out + i * 4 * BLOCK + j * BLOCK)), fix));
-    }
+static inline void amx_store(const int32_t *out, int64_t rows, int64_t b, const int32_t *cs, int32_t *c, int64_t ldc,
+                             int64_t n) {
+    int64_t col = b * BLOCK;
+    __m512i fix = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(cs + col)), 7);
+    __mmask16 mask = col + BLOCK <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - col)) - 1u);
+    for (int64_t i = 0; i < rows; i++)
+        _mm512_mask_storeu_epi32((void *)(c + i * ldc + col), mask,
+                                 _mm512_sub_epi32(_mm512_loadu_si512((const void *)(out + i * BLOCK)), fix));
 }
 
-/* One thread's blocks [lo, hi) for all m rows (au padded to a multiple of 16 rows): panels of 4
- * blocks, each over the rows by 32 (two A tiles, two blocks at a time) and a last 16. A thread's
- * blocks lie one after the other in the packed weight, so the next panel starts where this one
- * ends: the first pass over a panel's rows fetches the next panel into L2 as it goes (the weights
- * are read from memory once, and their reads overlap the tiles' work); the first panel is asked
- * for at the start. */
+/* One thread's blocks [lo, hi) for all m rows (au padded to a multiple of 16 rows), block after
+ * block in the order they lie in memory (a thread's blocks are contiguous: one sequential stream
+ * of weights, asked for AMX_AHEAD bytes ahead), each over the rows by 32; two sets of C tiles
+ * alternate, so that one block's sums are stored while the next one's are computed. */
 static void run_blocks_amx(const uint8_t *au, int64_t m, int64_t kp, const int8_t *packed, const int32_t *colsums,
                            int64_t n, int32_t *c, int64_t ldc, int64_t lo, int64_t hi) {
-    int32_t out[32 * 4 * BLOCK];
+    int32_t out[32 * BLOCK];
     const int64_t bstride = BLOCK * kp;
     amx_configure();
-    amx_fetch(packed + lo * bstride, (hi - lo < PANEL ? hi - lo : PANEL) * bstride / 64);
-    for (int64_t b = lo; b < hi; b += PANEL) {
-        int nb = hi - b < PANEL ? (int)(hi - b) : PANEL;
-        const int8_t *wb = packed + b * bstride, *next = b + nb < hi ? wb + nb * bstride : NULL;
-        int64_t r = 0;
-        for (; m - r > 16; r += 32)
-            for (int j = 0; j < nb; j += 2) {
-                int pair = nb - j < 2 ? nb - j : 2;
-                amx_rows32(pair, au + r * kp, kp, wb + j * bstride, out, r == 0 && next ? next + j * bstride : NULL);
-                amx_store(out, m - r < 32 ? m - r : 32, pair, b + j, colsums, c + r * ldc, ldc, n);
+    for (int64_t i = 0; i < AMX_AHEAD; i += 64) _mm_prefetch((const char *)(packed + lo * bstride + i), _MM_HINT_T0);
+    for (int64_t r = 0; r < m; r += 32) {
+        const uint8_t *rows_au = au + r * kp;
+        int64_t rows = m - r < 32 ? m - r : 32;
+        int two = rows > 16;
+        for (int64_t b = lo; b < hi; b++) {
+            const int8_t *wb = packed + b * bstride;
+            const uint8_t *au_ = rows_au;
+            {
+                const uint8_t *au = au_;
+                if (b & 1) {
+                    if (two) AMX_BLOCK(1, 3, 7, 1); else AMX_BLOCK(1, 3, 7, 0);
+                } else {
+                    if (two) AMX_BLOCK(0, 2, 6, 1); else AMX_BLOCK(0, 2, 6, 0);
+                }
             }
-        if (r < m) {
-            amx_rows16(nb, au + r * kp, kp, wb, out, r == 0 ? next : NULL);
-            amx_store(out, m - r, nb, b, colsums, c + r * ldc, ldc, n);
+            amx_store(out, rows, b, colsums, c + r * ldc, ldc, n);
         }
     }
     _tile_release();

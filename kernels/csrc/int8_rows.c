@@ -31,7 +31,7 @@ float quantize_one(const float *row, int64_t k, int8_t *hi, int8_t *lo) {
     vf top = (vf){0};
     int64_t j = 0;
     for (; j + W <= k; j += W) {
-        vf a = (vf)((vi)load(row + j) & (vi){0} + 0x7fffffff); /* |x|: the sign bit cleared, as fabsf */
+        vf a = (vf)((vi)load(row + j) & ((vi){0} + 0x7fffffff)); /* |x|: the sign bit cleared, as fabsf */
         top = (vf)(((vi)a & (a > top)) | ((vi)top & ~(a > top)));
     }
     float amax = 0.0f;
