@@ -11,6 +11,7 @@ logits, so they draw with the same noise and agree with the target more often.
 from __future__ import annotations
 
 import operator
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,42 +49,57 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 arrays (arithmetic modulo 2**64: numpy's uint64 wraps)."""
+def _splitmix64(x: np.ndarray, shifted: np.ndarray | None = None) -> np.ndarray:
+    """splitmix64's finalizer of uint64 x (arithmetic modulo 2**64: numpy's uint64 wraps); with
+    `shifted` (a scratch array like x) in place, into x."""
     with np.errstate(over="ignore"):
-        x = x + _GOLDEN
-        x ^= x >> np.uint64(30)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(27)
-        x *= np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
+        if shifted is None:
+            x, shifted = x + _GOLDEN, np.empty_like(x)
+        else:
+            x += _GOLDEN
+        for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, 0)):
+            np.right_shift(x, np.uint64(shift), out=shifted)
+            x ^= shifted
+            if factor:
+                x *= np.uint64(factor)
         return x
+
+
+def _noise(seed: int, position: int, ids: np.ndarray, bits: np.ndarray, shifted: np.ndarray, out: np.ndarray,
+           gumbel: bool) -> np.ndarray:
+    """u (see `uniform`), or with `gumbel` g = -log(-log(u)), of uint64 `ids` into float64 `out`;
+    `bits` and `shifted` are uint64 scratch arrays like `ids`."""
+    # operator.index: numpy integers (np.int64 positions) work like Python ints; `np.int64 & 2**64-1`
+    # would raise OverflowError.
+    seed, position = operator.index(seed), operator.index(position)
+    key = _splitmix64(np.array([np.uint64(seed & 0xFFFFFFFFFFFFFFFF)], dtype=np.uint64))
+    key = _splitmix64(key ^ np.uint64(position & 0xFFFFFFFFFFFFFFFF))
+    np.bitwise_xor(ids, key, out=bits)
+    bits = _splitmix64(bits, shifted)  # (in place: the same array)
+    bits >>= np.uint64(11)
+    np.add(bits, 0.5, out=out)  # float64(bits) + 0.5, exactly (bits < 2**53)
+    out *= 1.0 / 9007199254740992.0
+    # (2**53 - 1) + 0.5 rounds to 2**53 in float64, so the top 53-bit value gave u == 1.0 and g == +inf;
+    # clamp it to the largest float64 below 1 (every other value is unchanged).
+    np.minimum(out, _BELOW_ONE, out=out)
+    if gumbel:
+        np.log(out, out=out)
+        np.negative(out, out=out)
+        np.log(out, out=out)
+        np.negative(out, out=out)
+    return out
 
 
 def uniform(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
     """u in (0, 1) hashed from (seed, position, token id); float64."""
-    # operator.index: numpy integers (np.int64 positions) work like Python ints; `np.int64 & 2**64-1`
-    # would raise OverflowError.
-    seed, position = operator.index(seed), operator.index(position)
-    with np.errstate(over="ignore"):
-        key = _splitmix64(np.array([np.uint64(seed & 0xFFFFFFFFFFFFFFFF)], dtype=np.uint64))
-        key = _splitmix64(key ^ np.uint64(position & 0xFFFFFFFFFFFFFFFF))
-        bits = _splitmix64(token_ids.astype(np.uint64) ^ key)
-    bits >>= np.uint64(11)
-    u = bits.astype(np.float64)
-    u += 0.5
-    u *= 1.0 / 9007199254740992.0
-    # (2**53 - 1) + 0.5 rounds to 2**53 in float64, so the top 53-bit value gave u == 1.0 and g == +inf;
-    # clamp it to the largest float64 below 1 (every other value is unchanged).
-    return np.minimum(u, _BELOW_ONE, out=u)
+    ids = token_ids.astype(np.uint64)
+    return _noise(seed, position, ids, np.empty_like(ids), np.empty_like(ids), np.empty(ids.shape), gumbel=False)
 
 
 def gumbel(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
     """g = -log(-log(u)): the noise that turns an argmax into an exact softmax draw."""
-    g = np.log(uniform(seed, position, token_ids))
-    np.negative(g, out=g)
-    np.log(g, out=g)
-    return np.negative(g, out=g)
+    ids = token_ids.astype(np.uint64)
+    return _noise(seed, position, ids, np.empty_like(ids), np.empty_like(ids), np.empty(ids.shape), gumbel=True)
 
 
 def candidates(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -129,11 +145,33 @@ def choose(logits: np.ndarray, position: int, params: SamplingParams) -> int:
     if params.greedy:
         return int(np.argmax(logits))  # first maximum: ties go to the lowest id
     ids = candidates(logits, params)
-    every = ids.shape[0] == logits.shape[0]  # no filter cut a token: the row as it is, no gather
-    scores = (logits if every else logits[ids]).astype(np.float64)
+    if ids.shape[0] < logits.shape[0]:
+        scores = logits[ids].astype(np.float64) / params.temperature + gumbel(params.seed, position, ids)
+        return int(ids[int(np.argmax(scores))])
+    ids, bits, shifted, noise, scores = _ROWS.get(logits.shape[0])
+    _noise(params.seed, position, ids, bits, shifted, noise, gumbel=True)
+    np.copyto(scores, logits)  # float32 -> float64, exactly: the scores `gumbel`'s path adds to
     scores /= params.temperature
-    scores += gumbel(params.seed, position, ids)
-    return int(ids[int(np.argmax(scores))])
+    scores += noise
+    return int(np.argmax(scores))
+
+
+class _Rows(threading.local):
+    """Per thread, the buffers of an unfiltered row's draw, reused: fresh arrays of a vocabulary's
+    size are mapped and faulted in on every call (most of a sampled row's time in a server)."""
+
+    size = 0
+
+    def get(self, vocab: int) -> tuple[np.ndarray, ...]:
+        if self.size != vocab:
+            self.size = vocab
+            self.ids = np.arange(vocab, dtype=np.uint64)
+            self.bits, self.shifted = np.empty(vocab, np.uint64), np.empty(vocab, np.uint64)
+            self.noise, self.scores = np.empty(vocab), np.empty(vocab)
+        return self.ids, self.bits, self.shifted, self.noise, self.scores
+
+
+_ROWS = _Rows()
 
 
 @dataclass(frozen=True)

@@ -198,11 +198,11 @@ def test_uniform_extreme_hash_values_stay_inside_the_unit_interval(monkeypatch):
     """The hash's extreme outputs (all bits 1 or 0) must still give 0 < u < 1 and finite noise."""
     ids = np.arange(4)
     ones = np.uint64(0xFFFFFFFFFFFFFFFF)
-    monkeypatch.setattr(sampler, "_splitmix64", lambda x: np.full_like(x, ones))
+    monkeypatch.setattr(sampler, "_splitmix64", lambda x, scratch=None: np.full_like(x, ones))
     u = uniform(0, 0, ids)
     assert np.all(u < 1.0) and np.all(u > 0.5)
     assert np.all(np.isfinite(gumbel(0, 0, ids)))
-    monkeypatch.setattr(sampler, "_splitmix64", lambda x: np.zeros_like(x))
+    monkeypatch.setattr(sampler, "_splitmix64", lambda x, scratch=None: np.zeros_like(x))
     u = uniform(0, 0, ids)
     assert np.all(u > 0.0) and np.all(u < 1e-15)
     assert np.all(np.isfinite(gumbel(0, 0, ids)))
