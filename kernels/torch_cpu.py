@@ -6,11 +6,15 @@ switches kernels. `linear` finds that limit once per weight shape by comparing r
 probe, and cuts wider passes into blocks of at most that many rows: exact at any width, and a
 block still reads the weights once for all of its rows.
 
-Attention: decode and verify passes (up to PER_ROW_LIMIT rows) run every lane of a layer in one
-C call, `lane_attention` (csrc/lane_attention.c: each query row in a fixed order of its own);
-without a compiler each query row attends on its own through the very call a one-row step makes
-(same shapes, same keys 0..position). Wider passes are prefill chunks, computed in batched blocks
-of query rows: those follow the prefill plan, the same for fresh and resumed prompts.
+Attention: every pass, decode, verify and prefill chunk alike, runs every lane of a layer in one C
+call, `lane_attention` (csrc/lane_attention.c: each query row in a fixed order of its own, so a
+prefill chunk's cache rows have the bits they would have in any other chunking); without a
+compiler each query row of a decode or verify pass attends on its own through the very call a
+one-row step makes (same shapes, same keys 0..position), and wider passes are prefill chunks,
+computed in batched blocks of query rows: those follow the prefill plan, the same for fresh and
+resumed prompts. (Until VERSION 5 prefill chunks took the batched blocks with the C kernel too:
+the C call is 1.5-2x faster there, 2x at 8K tokens of context, where the blocks' float32 score
+matrices ran to 80 MB.)
 
 Row-wise ops (norms, softmax, SiLU): `rows_alike` says when torch's own kernel already gives
 every row a one-row call's arithmetic (reductions over rows shorter than a thread's grain; exp on
@@ -30,7 +34,8 @@ import torch.nn.functional as F
 
 from agentfold.kernels import native
 
-VERSION = 5  # bump when any kernel's arithmetic changes (it is part of snapshot keys); 5: lane attention sums by key lanes
+VERSION = 5  # bump when any kernel's arithmetic changes (it is part of snapshot keys); 5: lane attention sums by
+# key lanes, and prefill chunks attend through it too
 PER_ROW_LIMIT = 64  # passes wider than this are prefill chunks: batched, not row-exact
 PREFILL_BLOCK = 256  # query rows per batched attention call (bounds the score matrix)
 PROBE_ROWS = 16  # the widest block `linear` checks for
@@ -255,11 +260,11 @@ class LaneTable:
 
 def lane_table(rows: int, spans: Sequence[tuple[int, int, int]],
                layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> LaneTable | None:
-    """The pass's `LaneTable` where the C kernel runs its decode and verify attention; None where it
-    does not apply (a prefill chunk, a pass wider than PER_ROW_LIMIT, no compiler, a cache the
-    kernel does not read): the model then runs `attention` per lane. Decided by the model and the
-    pass alone, so a reply's rows never change kernels."""
-    if lane_library() is None or rows > PER_ROW_LIMIT or getattr(_PREFILL, "on", False) or not layers:
+    """The pass's `LaneTable` where the C kernel runs its attention (any pass: decode, verify, a
+    prefill chunk); None where it does not apply (no compiler, a cache the kernel does not read):
+    the model then runs `attention` per lane. Decided by the model alone, so a reply's rows never
+    change kernels."""
+    if lane_library() is None or not layers:
         return None
     keys = layers[0][0][0]
     if keys.device.type != "cpu" or keys.dtype not in CACHE_DTYPES:

@@ -389,38 +389,27 @@ static inline __attribute__((always_inline)) void block_scores(const int n, cons
     }
 }
 
-/* One (lane, kv head) task: the `group` query heads that read kv head over rows 0..rows-1 at
- * positions start.., keys / values [capacity, d] (float32, or float16 when `half`). Query r is row
- * r / group, head r % group (at q + row * q_stride + head * d). `new_keys` / `new_values` (row
- * strides k_stride / v_stride), when given, are the rows' own keys and values, stored at positions
- * start.. first. Each block of keys is widened and transposed once for all of the task's queries;
- * the weighted sums go by sub-groups of queries (accumulate_shared), each value row read once for a
- * sub-group. */
-static inline __attribute__((always_inline)) void attend_lane_group(
+/* Queries r0..r1-1 of a task (see attend_lane_group): their scores over every block of keys the
+ * task's rows see (each block widened and transposed once for these queries), softmax, weighted
+ * sums and outputs. A query's arithmetic is its own: which queries share a call changes no bit. */
+static inline __attribute__((always_inline)) void attend_queries(
     const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
-    int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
-    const float *new_keys, int64_t k_stride, const float *new_values, int64_t v_stride) {
-    if (new_keys)
-        for (int64_t r = 0; r < rows; r++) {
-            narrow(new_keys + r * k_stride, half, d, cache_row(keys, half, start + r, d));
-            narrow(new_values + r * v_stride, half, d, cache_row(values, half, start + r, d));
-        }
-    int64_t queries = rows * group, first = lowest_key(start, window), last = start + rows - 1;
+    int64_t rows, int64_t start, int64_t d, float scale, int64_t window, int64_t r0, int64_t r1, float *e) {
+    int64_t queries = r1 - r0, first = lowest_key(start, window), last = start + rows - 1;
     int64_t base = first - first % W, blocks = (last - base) / W + 1, span = blocks * W; /* aligned to 16 */
-    float *e = malloc(sizeof(float) * (size_t)(span * queries)); /* scores, then numerators: [query][key - base] */
     float *qv = malloc(sizeof(float) * (size_t)(queries * d));   /* the queries, one after the other */
     float *kt = malloc(sizeof(float) * (size_t)(2 * d * W));     /* two blocks of keys, transposed */
     vf *top = aligned_alloc(sizeof(vf), sizeof(vf) * (size_t)queries); /* each query's largest score per lane */
     vi *low = aligned_alloc(sizeof(vi), sizeof(vi) * (size_t)queries), *high = aligned_alloc(sizeof(vi), sizeof(vi) * (size_t)queries);
     float *sums = malloc(sizeof(float) * (size_t)queries);
     float *acc = calloc((size_t)(queries * d), sizeof(float));
-    if (!e || !qv || !kt || !top || !low || !high || !sums || !acc) abort();
-    for (int64_t r = 0; r < queries; r++) {
-        int64_t p = start + r / group;
-        memcpy(qv + r * d, q + (r / group) * q_stride + (r % group) * d, sizeof(float) * (size_t)d);
-        top[r] = (vf){0} - INFINITY;
-        low[r] = (vi){0} + (int32_t)lowest_key(p, window);
-        high[r] = (vi){0} + (int32_t)p;
+    if (!qv || !kt || !top || !low || !high || !sums || !acc) abort();
+    for (int64_t i = 0; i < queries; i++) {
+        int64_t r = r0 + i, p = start + r / group;
+        memcpy(qv + i * d, q + (r / group) * q_stride + (r % group) * d, sizeof(float) * (size_t)d);
+        top[i] = (vf){0} - INFINITY;
+        low[i] = (vi){0} + (int32_t)lowest_key(p, window);
+        high[i] = (vi){0} + (int32_t)p;
     }
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t b = 0; b < blocks; b += 2) { /* two blocks of keys at a time, each read once for all queries */
@@ -453,44 +442,46 @@ static inline __attribute__((always_inline)) void attend_lane_group(
                 }
         }
     }
-    for (int64_t r = 0; r < queries; r++) {
-        vf largest = splat(lane_max(top[r])), part = (vf){0};
-        float *row = e + r * span;
+    for (int64_t i = 0; i < queries; i++) {
+        vf largest = splat(lane_max(top[i])), part = (vf){0};
+        float *row = e + i * span;
         for (int64_t j = 0; j < span; j += W) {
             vf x = vexp16(load(row + j) - largest);
             store(row + j, x);
             part = part + x;
         }
-        sums[r] = tree_sum(part);
+        sums[i] = tree_sum(part);
     }
     /* The weighted sums, per query and element over its keys in ascending order, in three
      * ranges: its own keys below the ones every query of the task sees, those shared keys (all of
-     * the context before the pass's rows: most of the work, by sub-groups of queries whose sums
-     * stay in registers while each value row is read once), then its own keys after them. */
+     * the context before the task's rows: most of a decode pass's work, by sub-groups of queries
+     * whose sums stay in registers while each value row is read once), then its own keys after
+     * them. (Each element's operations run key by key whichever range a key falls in: the ranges
+     * change no bit.) */
     int64_t shared_low = lowest_key(last, window), shared_high = start; /* every row sees these */
     if (shared_low > shared_high) shared_low = shared_high + 1;
     const float *weights_of[SUB];
-    for (int64_t r = 0; r < queries; r++) {
-        int64_t p = start + r / group, lowest = lowest_key(p, window);
-        accumulate_range(acc + r * d, e + r * span, base, values, half, lowest,
+    for (int64_t i = 0; i < queries; i++) {
+        int64_t p = start + (r0 + i) / group, lowest = lowest_key(p, window);
+        accumulate_range(acc + i * d, e + i * span, base, values, half, lowest,
                          shared_low - 1 < p ? shared_low - 1 : p, d);
     }
     if (shared_low <= shared_high)
-        for (int64_t r0 = 0; r0 < queries; r0 += SUB) {
-            int64_t n = queries - r0 < SUB ? queries - r0 : SUB;
-            for (int64_t i = 0; i < n; i++) weights_of[i] = e + (r0 + i) * span;
-            accumulate_shared(n, acc + r0 * d, weights_of, base, values, half, shared_low, shared_high, d);
+        for (int64_t i0 = 0; i0 < queries; i0 += SUB) {
+            int64_t n = queries - i0 < SUB ? queries - i0 : SUB;
+            for (int64_t i = 0; i < n; i++) weights_of[i] = e + (i0 + i) * span;
+            accumulate_shared(n, acc + i0 * d, weights_of, base, values, half, shared_low, shared_high, d);
         }
-    for (int64_t r = 0; r < queries; r++) {
-        int64_t p = start + r / group, lowest = lowest_key(p, window);
-        accumulate_range(acc + r * d, e + r * span, base, values, half,
+    for (int64_t i = 0; i < queries; i++) {
+        int64_t p = start + (r0 + i) / group, lowest = lowest_key(p, window);
+        accumulate_range(acc + i * d, e + i * span, base, values, half,
                          shared_high + 1 > lowest ? shared_high + 1 : lowest, p, d);
     }
-    for (int64_t r = 0; r < queries; r++) {
+    for (int64_t i = 0; i < queries; i++) {
+        int64_t r = r0 + i;
         float *o = out + (r / group) * q_stride + (r % group) * d;
-        for (int64_t c = 0; c < d; c++) o[c] = acc[r * d + c] / sums[r];
+        for (int64_t c = 0; c < d; c++) o[c] = acc[i * d + c] / sums[i];
     }
-    free(e);
     free(qv);
     free(kt);
     free(top);
@@ -498,6 +489,40 @@ static inline __attribute__((always_inline)) void attend_lane_group(
     free(high);
     free(sums);
     free(acc);
+}
+
+/* The scores a task keeps at once: queries go by groups of this many floats' worth of scores
+ * (queries x keys), so a prefill chunk of 512 rows over 32K keys takes a few MB, not 200. A
+ * group re-reads the keys the task's other groups read (from cache). (Speed only.) */
+#define SCORE_FLOATS (1 << 20)
+
+/* One (lane, kv head) task: the `group` query heads that read kv head over rows 0..rows-1 at
+ * positions start.., keys / values [capacity, d] (float32, or float16 when `half`). Query r is row
+ * r / group, head r % group (at q + row * q_stride + head * d). `new_keys` / `new_values` (row
+ * strides k_stride / v_stride), when given, are the rows' own keys and values, stored at positions
+ * start.. first. The queries go by groups (attend_queries); in each, a block of keys is widened
+ * and transposed once for all of them, and the weighted sums go by sub-groups of queries
+ * (accumulate_shared), each value row read once for a sub-group. */
+static inline __attribute__((always_inline)) void attend_lane_group(
+    const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
+    int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
+    const float *new_keys, int64_t k_stride, const float *new_values, int64_t v_stride) {
+    if (new_keys)
+        for (int64_t r = 0; r < rows; r++) {
+            narrow(new_keys + r * k_stride, half, d, cache_row(keys, half, start + r, d));
+            narrow(new_values + r * v_stride, half, d, cache_row(values, half, start + r, d));
+        }
+    int64_t queries = rows * group, first = lowest_key(start, window), last = start + rows - 1;
+    int64_t span = ((last - (first - first % W)) / W + 1) * W;
+    int64_t step = SCORE_FLOATS / span / 4 * 4;
+    step = step < 4 ? 4 : step;
+    step = step > queries ? queries : step;
+    float *e = malloc(sizeof(float) * (size_t)(span * step)); /* scores, then numerators: [query][key - base] */
+    if (!e) abort();
+    for (int64_t r0 = 0; r0 < queries; r0 += step)
+        attend_queries(q, q_stride, group, out, keys, values, half, rows, start, d, scale, window, r0,
+                       r0 + step < queries ? r0 + step : queries, e);
+    free(e);
 }
 
 /* attend_lane_group compiled for the common head sizes as constants (loops unroll); the same

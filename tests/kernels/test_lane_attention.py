@@ -81,15 +81,29 @@ def test_the_other_lanes_and_their_order_change_nothing(threads):
         assert torch.equal(again[begin : begin + rows], full[lanes[index][0] : lanes[index][0] + rows])
 
 
-def test_it_declines_what_it_does_not_cover():
-    """Prefill chunks, passes past PER_ROW_LIMIT and other dtypes go to torch's attention (None)."""
-    q, lanes = _pass(4, 2, 32, [(10, 4)])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("context", [500, 7000])
+def test_prefill_chunks_and_wide_passes_are_row_exact_too(context, window, threads):
+    """A prefill chunk (any width, 150 rows here, and past PER_ROW_LIMIT) runs the same C call:
+    each of its rows has its one-row call's bits, so a chunk's cache rows do not depend on where
+    the prefill was cut. (Over 7,000 keys the kernel takes the chunk's queries in groups.)"""
+    q, lanes = _pass(9, 3, 64, [(context, 150)], seed=3, dtype=torch.float16)
     with torch_cpu.prefill_chunk():
-        assert torch_cpu.lane_attention(q, lanes, 0.125, None) is None
-    wide, wide_lanes = _pass(4, 2, 32, [(10, torch_cpu.PER_ROW_LIMIT + 1)])
-    assert torch_cpu.lane_attention(wide, wide_lanes, 0.125, None) is None
+        chunk = torch_cpu.lane_attention(q, lanes, 0.125, window)
+    assert chunk is not None
+    _, rows, start, keys, values = lanes[0]
+    for i in (0, 1, 63, 64, 65, 149):
+        alone = torch_cpu.lane_attention(q[i : i + 1], [(0, 1, start + i, keys, values)], 0.125, window)
+        assert torch.equal(chunk[i], alone[0]), i
+
+
+def test_it_declines_what_it_does_not_cover():
+    """Queries in another dtype than float32 (or caches the kernel does not read) go to torch's
+    attention (None)."""
+    q, lanes = _pass(4, 2, 32, [(10, 4)])
     half = [(b, r, s, k.bfloat16(), v.bfloat16()) for b, r, s, k, v in lanes]
     assert torch_cpu.lane_attention(q.bfloat16(), half, 0.125, None) is None
+    assert torch_cpu.lane_attention(q, half, 0.125, None) is None
     assert torch_cpu.attention_kernel().startswith("lane_attention.c")
 
 

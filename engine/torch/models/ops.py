@@ -6,8 +6,8 @@ torch's matmul, norm or attention directly: on CUDA they go to the batch-invaria
 kernels (`kernels.torch_cpu`). SiLU, GELU, sigmoid and softmax are here too, because torch's CPU
 vector loop and its scalar tail compute exp and tanh differently. Everything else a model does (add,
 multiply, gathers, casts, top-k) is exact IEEE arithmetic per element: the same bits for any number
-of rows. Sliding-window attention (Gemma 3's local layers) is here for the prefill chunks and for
-CUDA; CPU decode and verify rows take the window in the lane attention kernel.
+of rows. Sliding-window attention (Gemma 3's local layers) is here for CUDA and for CPUs without a
+compiler; elsewhere on CPU every pass takes the window in the lane attention kernel.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def lane_table(rows: int, spans: Sequence[tuple[int, int, int]], caches: Sequenc
     """What a pass of `rows` rows (lanes `spans`: begin, rows, start) keeps for its layers'
     attention, `caches[slot][lane]` each layer's caches: on CPU the C kernel's table of the lanes
     (`torch_cpu.LaneTable`), built once for every layer; None where attention runs lane by lane
-    (CUDA, prefill chunks, wide passes, no compiler)."""
+    (CUDA, no compiler)."""
     if not caches or not caches[0] or caches[0][0].keys.device.type != "cpu":
         return None
     return torch_cpu.lane_table(rows, spans, [[(cache.keys, cache.values) for cache in layer] for layer in caches])
@@ -126,8 +126,8 @@ def attend_lanes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lanes: Any, 
     """Causal attention of a pass's rows, lane by lane (`lanes`: a `llama.LayerLanes`): q [m, heads,
     d], k, v [m, kv_heads, d] hold each lane's rows in turn; a lane's keys and values are stored in
     its own cache at its positions, and its rows attend to that cache's keys 0..position (with a
-    `window`, the last `window`). -> [m, heads, d]. On CPU decode and verify passes run every lane
-    in one row-exact C call; otherwise each lane is written and runs `attention` on its own."""
+    `window`, the last `window`). -> [m, heads, d]. On CPU every pass (prefill chunks too) runs every
+    lane in one row-exact C call; otherwise each lane is written and runs `attention` on its own."""
     if lanes.table is not None and q.dtype == torch.float32:
         return lanes.table.attend(lanes.slot, q, k, v, scale, window)
     outputs = []
