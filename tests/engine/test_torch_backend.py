@@ -169,6 +169,34 @@ def test_tiny_drafted_equals_serial(tiny_folders, kind):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_cpu_cache_rows_do_not_depend_on_how_the_prefill_was_cut(tiny_folders, kind):
+    """On the CPU int8 path every kernel of a pass is row-exact at any width, prefill chunks
+    included (the lane attention runs them too): a prefill in one chunk, cut elsewhere, decoded
+    token by token or run as one wide pass stores the same cache bits."""
+    from agentfold.kernels import native
+
+    if not native.expected():
+        pytest.skip("no C compiler: prefill chunks take the batched torch blocks")
+    backend = TorchBackend(load_torch_model(tiny_folders[kind], device="cpu"))
+    assert backend.quant == "int8"
+    tokens = [(7 * i + 3) % 200 + 20 for i in range(150)]
+    whole = backend.new_cache()
+    backend.prefill(tokens, whole)
+    cut = backend.new_cache()
+    backend.prefill(tokens, cut, [17, 64, 65, 130])
+    stepped = backend.new_cache()
+    backend.prefill(tokens[:100], stepped)
+    for token in tokens[100:]:
+        backend.forward([token], stepped)
+    wide = backend.new_cache()
+    backend.prefill(tokens[:80], wide)
+    backend.forward(tokens[80:], wide)
+    for other in (cut, stepped, wide):
+        for a, b in zip(whole.layers, other.layers, strict=True):
+            assert torch.equal(a.keys[:, :150], b.keys[:, :150]) and torch.equal(a.values[:, :150], b.values[:, :150])
+
+
 def test_tiny_draft_model_drafter(tiny_folders):
     """A torch draft model (a perturbed copy of the target) drafts; the reply is still serial's."""
     engine = build_engine(tiny_folders["llama"], backend="torch", device="cpu")
