@@ -202,6 +202,12 @@ class PassRequest:
     to a shorter prefix (never below the pending token) to keep a shared pass within the
     row-exact width; the reply then verifies only the drafts that ran. `rows` and `seconds`
     describe the whole pass (every lane's rows), for the depth controller's cost model.
+
+    A `prefill` request holds prompt rows instead (`Engine.stream(prefill_in_passes=True)`): no
+    logits are wanted, and a driver may run any non-empty prefix of its tokens, in a pass of its
+    own or as a lane of a shared decode pass (the generation asks again for the rest). It exists
+    only where the backend's prefill is row-exact at every width (`ExactnessReport.prefill_lanes`),
+    so where a prompt is cut, and what shares its passes, change no bit of the cache.
     """
 
     tokens: list[int]
@@ -209,10 +215,15 @@ class PassRequest:
     logits: Any = None
     rows: int = 0
     seconds: float = 0.0
+    prefill: bool = False
 
     def run_alone(self, backend: Backend) -> None:
         began = time.perf_counter()
-        self.logits = backend.forward(self.tokens, self.cache)
+        if self.prefill:
+            for _ in backend.prefill_steps(self.tokens, self.cache):
+                pass
+        else:
+            self.logits = backend.forward(self.tokens, self.cache)
         self.rows, self.seconds = len(self.tokens), time.perf_counter() - began
 
 
@@ -287,18 +298,23 @@ class Engine:
         return self.stream(prompt, config, cache, cuts, on_prefill).run()
 
     def stream(self, prompt: Sequence[int], config: GenerationConfig, cache: CacheState | None = None,
-               cuts: Sequence[int] = (), on_prefill: PrefillObserver | None = None) -> Generation:
+               cuts: Sequence[int] = (), on_prefill: PrefillObserver | None = None,
+               prefill_in_passes: bool = False) -> Generation:
         """The reply as a generation: one empty `Delta` per prefill step, then one per verify pass.
 
         A prefill step is one layer of one chunk of the plan, so a scheduler can run other
         replies' passes between the steps of a long prompt and none waits more than a layer's
-        share of a chunk. `on_prefill(cache)` is called after every chunk (the session layer
-        snapshots the cache where the reply starts).
+        share of a chunk. With `prefill_in_passes` (where `exactness.prefill_lanes` holds), a
+        step is a prefill `PassRequest` instead, for the driver to run alone or in a shared pass,
+        followed by an empty `Delta`. `on_prefill(cache)` is called after every chunk of the plan
+        (the session layer snapshots the cache where the reply starts).
         """
-        return Generation(self._decode(prompt, config, cache, cuts, on_prefill), self.backend)
+        in_passes = prefill_in_passes and self.exactness.prefill_lanes
+        return Generation(self._decode(prompt, config, cache, cuts, on_prefill, in_passes), self.backend)
 
     def _decode(self, prompt: Sequence[int], config: GenerationConfig, cache: CacheState | None,
-                cuts: Sequence[int], on_prefill: PrefillObserver | None = None) -> Iterator[Delta | PassRequest]:
+                cuts: Sequence[int], on_prefill: PrefillObserver | None = None,
+                prefill_in_passes: bool = False) -> Iterator[Delta | PassRequest]:
         """Prefill the rest of the prompt chunk by chunk, then pass after pass until the reply ends:
         each pass is a `PassRequest` for the driver to run, then the `Delta` it committed."""
         if not prompt:
@@ -311,7 +327,7 @@ class Engine:
                             prefilled_tokens=len(prompt) - cache.length)
         offload = getattr(getattr(self.backend, "model", None), "expert_offload", None)
         offload_mark = offload.snapshot() if offload is not None else None
-        yield from self._prefill(prompt, cache, cuts, on_prefill, stats)
+        yield from self._prefill(prompt, cache, cuts, on_prefill, stats, prefill_in_passes)
 
         drafting = config.draft and self.drafter is not None and self.max_drafts > 0
         stats.draft_method = self.drafter.name if drafting else "none"
@@ -339,11 +355,25 @@ class Engine:
                           reply.logprobs if config.logprobs is not None else None)
 
     def _prefill(self, prompt: Sequence[int], cache: CacheState, cuts: Sequence[int],
-                 on_prefill: PrefillObserver | None, stats: DecodeStats) -> Iterator[Delta]:
-        """The plan's chunks up to the last prompt token (row 0 of the first pass), a layer per step."""
+                 on_prefill: PrefillObserver | None, stats: DecodeStats,
+                 in_passes: bool = False) -> Iterator[Delta | PassRequest]:
+        """The plan's chunks up to the last prompt token (row 0 of the first pass), a layer per step,
+        or (`in_passes`) as prefill requests the driver runs, each followed by an empty Delta."""
         end = len(prompt) - 1
         for cut in [*self.plan(cache.length, end, cuts), end]:
             if cut <= cache.length:
+                continue
+            if in_passes:
+                while cache.length < cut:
+                    request = PassRequest(list(prompt[cache.length : cut]), cache, prefill=True)
+                    before = cache.length
+                    yield request
+                    if not request.tokens or cache.length != before + len(request.tokens):
+                        raise RuntimeError("a prefill request must run a non-empty prefix of its rows")
+                    stats.prefill_seconds += request.seconds * len(request.tokens) / max(1, request.rows)
+                    yield Delta([], "")
+                if on_prefill is not None:
+                    on_prefill(cache)
                 continue
             began = time.perf_counter()
             for _ in self.backend.prefill_steps(list(prompt[cache.length : cut]), cache):

@@ -64,6 +64,10 @@ class Backend(Protocol):
     # layers, each lane attends only to its own cache, and row r of lane i has the bits it has when
     # lane i runs alone by `forward`. Such a backend says `shares_passes = True`: the self-check then
     # verifies lanes too (`ExactnessReport.lanes`) and the scheduler puts replies in one pass.
+    # A backend whose prefill is row-exact at every width too says `prefill_rows_exact = True` and
+    # takes `forward_many(lanes, logits=[...])`: lanes marked False are prompt rows whose logits
+    # nobody reads (an empty array comes back for them); the self-check verifies that
+    # (`ExactnessReport.prefill_lanes`) before the scheduler puts prompt rows in shared passes.
 
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`, computing no logits."""
@@ -92,23 +96,29 @@ class Backend(Protocol):
 Lane = tuple[Sequence[int], CacheState]  # one sequence's rows of a shared pass: its tokens and its cache
 
 
-def forward_lanes(backend: Backend, lanes: Sequence[Lane]) -> list[np.ndarray]:
+def forward_lanes(backend: Backend, lanes: Sequence[Lane], logits: Sequence[bool] | None = None) -> list[np.ndarray]:
     """Each lane's logits, the lanes run as one pass where the backend can (`forward_many`), else one
-    `forward` per lane: the same bits either way (each row's arithmetic ignores the other rows)."""
+    `forward` per lane: the same bits either way (each row's arithmetic ignores the other rows).
+    `logits` (only for a backend with `prefill_rows_exact`): False for lanes of prompt rows whose
+    logits are not wanted (they get an empty array)."""
     many = getattr(backend, "forward_many", None)
+    if logits is not None and not all(logits):
+        return many(lanes, logits=logits)
     if many is not None and len(lanes) > 1:
         return many(lanes)
     return [backend.forward(tokens, cache) for tokens, cache in lanes]
 
 
-def split_lanes(logits: np.ndarray, lanes: Sequence[Lane]) -> list[np.ndarray]:
-    """A shared pass's logits [rows, vocab] cut into each lane's rows, each lane's tokens now in
-    its cache (what `forward` does for one)."""
+def split_lanes(logits: np.ndarray, lanes: Sequence[Lane], wanted: Sequence[bool] | None = None) -> list[np.ndarray]:
+    """A shared pass's logits [rows, vocab] (of the lanes `wanted`, all by default) cut into each
+    lane's rows, each lane's tokens now in its cache (what `forward` does for one); a lane not
+    wanted gets no rows."""
     out, begin = [], 0
-    for tokens, cache in lanes:
+    for index, (tokens, cache) in enumerate(lanes):
         cache.tokens.extend(int(t) for t in tokens)
-        out.append(logits[begin : begin + len(tokens)])
-        begin += len(tokens)
+        count = len(tokens) if wanted is None or wanted[index] else 0
+        out.append(logits[begin : begin + count])
+        begin += count
     return out
 
 

@@ -29,6 +29,7 @@ class ExactnessReport:
     pass_seconds: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
     lane_width: int = 0  # rows of a shared pass (`forward_many`) found exact across sequences; 0: lanes off
+    prefill_lanes: bool = False  # prompt rows may run in any pieces, shared passes included (see below)
 
     @property
     def lanes(self) -> bool:
@@ -48,7 +49,8 @@ class ExactnessReport:
         text = f"row-exact up to {self.max_width} rows"
         if failed:
             text += f" ({failed[0]} rows differ by {self.max_abs_diff[failed[0]]:.1e}: passes capped)"
-        return text + (f", {self.lane_width} rows across replies (lanes on)" if self.lanes else "")
+        return (text + (f", {self.lane_width} rows across replies (lanes on)" if self.lanes else "")
+                + (", prompts in shared passes" if self.prefill_lanes else ""))
 
 
 def probe_tokens(vocab_size: int, count: int) -> list[int]:
@@ -99,8 +101,30 @@ def check_row_exactness(backend: Backend, max_width: int = 16, prompt_length: in
             if _lanes_exact(backend, cache, base, serial, rows, tokens, width, report.max_width):
                 report.lane_width = width
                 break
+    if report.lanes and getattr(backend, "prefill_rows_exact", False):
+        report.prefill_lanes = _prefill_lanes_exact(backend, cache, base, rows, tokens[:prompt_length])
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _prefill_lanes_exact(backend: Backend, cache: CacheState, base: Checkpoint, rows: list[int],
+                         prompt: list[int]) -> bool:
+    """Whether a prompt prefilled in pieces, one of them a lane (no logits) of a shared pass with
+    the probe's verify rows, leaves the cache a one-chunk prefill leaves, bit for bit, and the
+    shared pass's verify rows their bits: the backend's claim (`prefill_rows_exact`) that every
+    kernel of a pass is row-exact at any width, prompt rows included, checked on this machine."""
+    whole = backend.new_cache()
+    backend.prefill(prompt, whole)
+    alone = backend.forward(rows[:2], cache)
+    backend.rollback(cache, base, 0)
+    pieces = backend.new_cache()
+    third = len(prompt) // 3
+    backend.prefill(prompt[:third], pieces, [third // 2])
+    shared = backend.forward_many([(rows[:2], cache), (prompt[third:], pieces)], logits=[True, False])
+    backend.rollback(cache, base, 0)
+    got, want = backend.cache_to_arrays(pieces)[0], backend.cache_to_arrays(whole)[0]
+    return (np.array_equal(shared[0], alone) and shared[1].shape[0] == 0 and got.keys() == want.keys()
+            and all(np.array_equal(got[name], want[name]) for name in want))
 
 
 def _lanes_exact(backend: Backend, cache: CacheState, base: Checkpoint, serial: list[np.ndarray],

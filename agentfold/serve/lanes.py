@@ -18,14 +18,19 @@ from typing import Any
 
 from agentfold.engine.decode import PassRequest
 
+PROMPT_ROWS = 32  # the most prompt rows one reply puts in a shared pass (the rest in the next ones)
 
-def plan_lanes(requests: Sequence[PassRequest], width: int) -> list[list[int]]:
+
+def plan_lanes(requests: Sequence[PassRequest], width: int, prompt_rows: int = PROMPT_ROWS) -> list[list[int]]:
     """Indices of `requests` grouped into shared passes of at most `width` rows.
 
-    Every reply gets its pending token's row; the rows left are handed out one draft at a time
-    around the group, so each reply keeps as many of its drafts as fit and none starves the
-    others. Drafts that do not fit are cut (the reply verifies only the drafts that ran; the
-    tokens it commits are the same). `width` < 2: no sharing, every pass alone with its drafts.
+    Every reply gets its pending token's row (a prompt, its first row); then each prompt in
+    prefill (`PassRequest.prefill`) gets up to `prompt_rows` rows, since its rows must run some time
+    and a draft may not pay; the rows left are handed out one draft at a time around the group,
+    so each reply keeps as many of its drafts as fit and none starves the others. Drafts that do
+    not fit are cut (the reply verifies only the drafts that ran; the tokens it commits are the
+    same), and so are prompt rows (the reply asks for the rest next). `width` < 2: no sharing,
+    every pass alone with its drafts.
     """
     count = len(requests)
     if not count:
@@ -42,7 +47,11 @@ def plan_lanes(requests: Sequence[PassRequest], width: int) -> list[list[int]]:
     for group in groups:
         budget = width - len(group)
         granted = dict.fromkeys(group, 0)
-        wanting = [i for i in group if len(requests[i].tokens) > 1]
+        for i in group:
+            if requests[i].prefill:
+                granted[i] = min(budget, prompt_rows - 1, len(requests[i].tokens) - 1)
+                budget -= granted[i]
+        wanting = [i for i in group if not requests[i].prefill and len(requests[i].tokens) > 1]
         while budget > 0 and wanting:
             for i in list(wanting):
                 if budget == 0:
@@ -58,25 +67,29 @@ def plan_lanes(requests: Sequence[PassRequest], width: int) -> list[list[int]]:
 
 @dataclass
 class LaneStats:
-    """Shared passes since start: how many replies and rows each held, and the time they took."""
+    """Passes with verify rows since start: how many replies and rows each held (and prompt rows
+    that rode along), and the time they took."""
 
     passes: int = 0
-    lanes: int = 0  # replies' passes the shared passes held
-    rows: int = 0
+    lanes: int = 0  # replies' verify passes the passes held
+    rows: int = 0  # verify rows
+    prompt_rows: int = 0  # prompt rows of replies in prefill that shared these passes
     seconds: float = 0.0
     by_lanes: dict[int, int] = field(default_factory=dict)  # passes by the number of replies in them
     last_seconds: float = 0.0  # the latest pass (the prefill share of a round follows it)
 
-    def record(self, lanes: int, rows: int, seconds: float) -> None:
+    def record(self, lanes: int, rows: int, seconds: float, prompt_rows: int = 0) -> None:
         self.last_seconds = seconds
         self.passes += 1
         self.lanes += lanes
         self.rows += rows
+        self.prompt_rows += prompt_rows
         self.seconds += seconds
         self.by_lanes[lanes] = self.by_lanes.get(lanes, 0) + 1
 
     def summary(self) -> dict[str, Any]:
         per_pass = 1 / self.passes if self.passes else 0.0
         return {"passes": self.passes, "replies_per_pass": round(self.lanes * per_pass, 3),
-                "rows_per_pass": round(self.rows * per_pass, 3), "pass_ms": round(1000 * self.seconds * per_pass, 3),
-                "by_replies": dict(sorted(self.by_lanes.items()))}
+                "rows_per_pass": round(self.rows * per_pass, 3),
+                "prompt_rows_per_pass": round(self.prompt_rows * per_pass, 3),
+                "pass_ms": round(1000 * self.seconds * per_pass, 3), "by_replies": dict(sorted(self.by_lanes.items()))}

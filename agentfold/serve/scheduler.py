@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 # passes in a few rounds instead of one layer or two per round (eight SmolLM2 sessions on two
 # Xeon cores: ~1 s to the first token with 20 ms slices, the session idle meanwhile).
 PREFILL_SLICE_S = 0.02
+# Where prompts run as passes (`ExactnessReport.prefill_lanes`): the prompt rows a reply in prefill
+# runs in a pass of its own when no reply decodes (a bound on how long one pass holds the worker;
+# with replies decoding, its rows ride in their shared pass instead, `lanes.PROMPT_ROWS` at a time).
+PROMPT_PASS_ROWS = 128
 
 __all__ = ["Event", "Hook", "Runtime", "RuntimeBusy", "RuntimeClosed", "Turn", "TurnCancelled", "TurnRequest"]
 
@@ -176,7 +180,15 @@ class Runtime:
     def _start(self, request: TurnRequest) -> Generation:
         """Create the generation for a request: the single point to extend."""
         return self.engine.stream(request.prompt, request.config, cache=request.cache, cuts=request.cuts,
-                                  on_prefill=watch_prefill(request))  # the request's own observer, + progress lines
+                                  on_prefill=watch_prefill(request),  # the request's own observer, + progress lines
+                                  prefill_in_passes=self.prompts_in_passes)
+
+    @property
+    def prompts_in_passes(self) -> bool:
+        """Whether prompts are prefilled as passes, riding in the replies' shared passes (where
+        the self-check found the backend's prefill row-exact at every width and lanes are on):
+        the weights are read once for both, and no decoding reply waits out a prefill slice."""
+        return self.lane_width >= 2 and self.engine.exactness.prefill_lanes
 
     def _run(self) -> None:
         while True:
@@ -198,7 +210,13 @@ class Runtime:
             ended = [turn for turn in batch if not self._prefill_or_ask(turn, share)]
             self._prefilling = sum(turn.prefill_passes > before for turn, before in zip(batch, steps, strict=True))
             asking = [turn for turn in batch if turn._pending is not None]
-            for group in plan_lanes([turn._pending for turn in asking], self.lane_width):
+            if all(turn._pending.prefill for turn in asking):  # no reply decodes: each prompt in a pass of its own
+                for turn in asking:
+                    del turn._pending.tokens[PROMPT_PASS_ROWS:]
+                groups = [[i] for i in range(len(asking))]
+            else:
+                groups = plan_lanes([turn._pending for turn in asking], self.lane_width)
+            for group in groups:
                 group = [asking[i] for i in group]
                 self._run_lanes(group)
                 ended += [turn for turn in group if not self._finish_pass(turn)]
@@ -261,11 +279,14 @@ class Runtime:
             return self._fail(turn, error)
 
     def _run_lanes(self, turns: list[Turn]) -> None:
-        """The pending passes of `turns` as one forward pass, each reply a lane on its own cache."""
+        """The pending passes of `turns` as one forward pass, each reply a lane on its own cache
+        (the prompt rows of replies in prefill too, their logits not computed)."""
         requests = [turn._pending for turn in turns]
+        wanted = [not request.prefill for request in requests]
         began = time.perf_counter()
         try:
-            logits = forward_lanes(self.engine.backend, [(request.tokens, request.cache) for request in requests])
+            logits = forward_lanes(self.engine.backend, [(request.tokens, request.cache) for request in requests],
+                                   None if all(wanted) else wanted)
         except Exception as error:
             for turn in turns:
                 turn._pending = None
@@ -273,20 +294,29 @@ class Runtime:
             return
         seconds = time.perf_counter() - began
         rows = sum(len(request.tokens) for request in requests)
-        self.lanes.record(len(turns), rows, seconds)
+        prompt_rows = sum(len(request.tokens) for request in requests if request.prefill)
+        verifying = sum(wanted)
+        if verifying:
+            self.lanes.record(verifying, rows - prompt_rows, seconds, prompt_rows)
         for turn, request, lane_logits in zip(turns, requests, logits, strict=True):
             request.logits, request.rows, request.seconds = lane_logits, rows, seconds
-            turn.lane_passes.append((len(turns), rows))
+            if not request.prefill:
+                turn.lane_passes.append((verifying, rows))
 
     def _finish_pass(self, turn: Turn) -> bool:
-        """Resume `turn` with its pass's logits and send the tokens it committed; False once ended."""
+        """Resume `turn` with its pass's logits and send the tokens it committed; False once ended.
+        (A prompt's pass commits nothing: the reply's prefill goes on.)"""
         if turn._pending is None:  # its shared pass failed, and the turn with it (`_run_lanes`)
             return False
+        prompt = turn._pending.prefill
         turn._pending = None
         try:
             delta = next(turn._iter)
         except Exception as error:
             return self._fail(turn, error)
+        if prompt:
+            turn.prefill_passes += 1
+            return True
         turn.passes += 1
         if turn.first_delta_at is None:
             turn.first_delta_at = time.perf_counter()

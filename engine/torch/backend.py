@@ -22,7 +22,7 @@ from agentfold.engine.protocol import CacheState, Checkpoint, Lane, prefill_in_c
 from agentfold.engine.torch.models import ops, quantize
 from agentfold.engine.torch.models.cache import LayerCache
 from agentfold.engine.torch.models.llama import SequencePass
-from agentfold.kernels import torch_cpu
+from agentfold.kernels import rowwise, torch_cpu
 
 _DONE = object()  # what `next` gives once a chunk's layers have all run
 
@@ -47,6 +47,11 @@ class TorchBackend:
                 self.model.cache_dtype = torch.float16
         elif self.device.type == "cpu":
             self._calibrate_cpu_matmuls()
+        # Every kernel of a pass row-exact at any width, prompt rows included: integer linear layers,
+        # the C row-wise ops and the C lane attention (prefill chunks too). The self-check verifies
+        # it (ExactnessReport.prefill_lanes) before prompts share passes with replies.
+        self.prefill_rows_exact = (self.device.type == "cpu" and self.quant == "int8"
+                                   and torch_cpu.lane_library() is not None and rowwise.library() is not None)
 
     def _calibrate_cpu_matmuls(self) -> None:
         """Find each weight shape's row-exact GEMM height now, not inside the first timed passes."""
@@ -75,14 +80,22 @@ class TorchBackend:
         cache.tokens.extend(int(t) for t in tokens)
         return logits.float().cpu().numpy()
 
-    def forward_many(self, lanes: Sequence[Lane]) -> list[np.ndarray]:
+    def forward_many(self, lanes: Sequence[Lane], logits: Sequence[bool] | None = None) -> list[np.ndarray]:
         """Each lane's logits, all lanes' rows in one pass (`Transformer.forward_passes`): the linear
-        layers run once over every row (weights read once), attention per lane on its own cache."""
+        layers run once over every row (weights read once), attention per lane on its own cache.
+        `logits`: per lane whether its logits are wanted (False: prompt rows, an empty array back)."""
         with torch.inference_mode():
             ids = torch.tensor([int(t) for tokens, _ in lanes for t in tokens], dtype=torch.long, device=self.device)
             passes = [SequencePass(cache.layers, cache.length, len(tokens)) for tokens, cache in lanes]
-            logits = self.model.forward_passes(ids, passes).float().cpu().numpy()
-        return split_lanes(logits, lanes)
+            rows = None
+            if logits is not None and not all(logits):
+                index, begin = [], 0
+                for (tokens, _), wanted in zip(lanes, logits, strict=True):
+                    index.extend(range(begin, begin + len(tokens)) if wanted else ())
+                    begin += len(tokens)
+                rows = torch.tensor(index, dtype=torch.long, device=self.device)
+            out = self.model.forward_passes(ids, passes, rows=rows).float().cpu().numpy()
+        return split_lanes(out, lanes, logits)
 
     def prefill(self, tokens: Sequence[int], cache: CacheState, boundaries: Sequence[int] = ()) -> None:
         """Append `tokens` in chunks cut at absolute `boundaries`; logits are never computed."""

@@ -157,6 +157,7 @@ class StagedBackend(TorchBackend):
         self._fingerprint = fingerprint(loaded)
         drop_layers(loaded.model, self.own)
         super().__init__(loaded, quant=quant)
+        self.prefill_rows_exact = False  # its forward_many runs lanes through the stages, every lane's logits
         drop_ends(self.model, first=True, last=len(self.plan) == 1)
         self._lock = threading.Lock()  # one exchange at a time (request, then its reply)
         self._ids = iter(range(1 << 62))

@@ -8,6 +8,8 @@ passes were shared and held drafts: a test where every pass ran alone would prov
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -47,12 +49,26 @@ def test_plan_without_lanes_runs_every_pass_alone_with_its_drafts():
     assert plan_lanes([], 16) == []
 
 
+def test_plan_gives_prompt_rows_before_drafts():
+    """A reply in prefill gets up to `prompt_rows` rows after every pending row, before any draft;
+    the rest of its prompt waits for the next pass."""
+    requests = _requests(5, 3, 40)
+    requests[2].prefill = True
+    assert plan_lanes(requests, 12, prompt_rows=6) == [[0, 1, 2]]
+    assert [len(r.tokens) for r in requests] == [3, 3, 6]  # 3 pending + 5 more prompt rows, then 4 drafts
+    assert requests[2].tokens == list(range(100, 106))  # a prefix of the prompt's rows
+    prompt = _requests(50)
+    prompt[0].prefill = True
+    plan_lanes(prompt, 64)
+    assert len(prompt[0].tokens) == 32  # PROMPT_ROWS at most, even with room
+
+
 def test_lane_stats_summary():
     stats = LaneStats()
-    stats.record(3, 9, 0.06)
+    stats.record(3, 9, 0.06, prompt_rows=4)
     stats.record(1, 4, 0.04)
-    assert stats.summary() == {"passes": 2, "replies_per_pass": 2.0, "rows_per_pass": 6.5, "pass_ms": 50.0,
-                               "by_replies": {1: 1, 3: 1}}
+    assert stats.summary() == {"passes": 2, "replies_per_pass": 2.0, "rows_per_pass": 6.5, "prompt_rows_per_pass": 2.0,
+                               "pass_ms": 50.0, "by_replies": {1: 1, 3: 1}}
 
 
 # --- real replies side by side -------------------------------------------------------------------
@@ -112,8 +128,8 @@ class _CrossTalk:
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
-    def forward_many(self, lanes):
-        out = self._backend.forward_many(lanes)
+    def forward_many(self, lanes, **kwargs):
+        out = self._backend.forward_many(lanes, **kwargs)
         if sum(len(tokens) for tokens, _ in lanes) > self._above:
             out[-1] = out[-1] + np.float32(1e-3) * out[0][:1]
         return out
@@ -127,3 +143,32 @@ def test_inexact_lanes_are_found_and_not_shared(smollm2_engine):
     assert capped.lane_width == 4, capped  # the wide shared pass leaked: shared passes keep to one reply's width
     honest = check_row_exactness(smollm2_engine.backend, max_width=4, lane_width=12)
     assert honest.lane_width == 12 and "12 rows across replies (lanes on)" in honest.describe()
+
+
+def test_a_prompt_prefilled_while_others_decode_rides_in_their_passes(smollm2_engine):
+    """A long prompt arriving while two replies decode is prefilled in pieces that ride in their
+    shared passes (no logits for its rows): every reply still equals its solo and serial runs."""
+    engine = smollm2_engine
+    assert engine.exactness.prefill_lanes and "prompts in shared passes" in engine.exactness.describe()
+    first = [chat_ids(engine.tokenizer, f"Repeat this list exactly, once: {items}") for items in LISTS[:2]]
+    late = chat_ids(engine.tokenizer, "Repeat these lists exactly, once each: " + "; ".join(LISTS * 3))
+    prompts, configs = [*first, late], [CONFIGS[0], CONFIGS[2], GenerationConfig(max_tokens=16)]
+    alone = [engine.generate(p, c) for p, c in zip(prompts, configs, strict=True)]
+    serial = [engine.generate(p, GenerationConfig(params=c.params, max_tokens=c.max_tokens, draft=False))
+              for p, c in zip(prompts, configs, strict=True)]
+    runtime = Runtime(engine, "m", max_active=3)
+    try:
+        assert runtime.prompts_in_passes
+        turns = [runtime.submit(TurnRequest(p, c)) for p, c in zip(first, configs, strict=False)]
+        deadline = time.monotonic() + 300
+        while not all(turn.first_delta_at for turn in turns) and time.monotonic() < deadline:
+            time.sleep(0.001)  # both decode before the long prompt comes
+        turns.append(runtime.submit(TurnRequest(late, configs[2])))
+        together = [turn.result(timeout=300) for turn in turns]
+    finally:
+        runtime.close()
+    assert len(late) > 150
+    assert [c.tokens for c in together] == [c.tokens for c in alone] == [c.tokens for c in serial]
+    assert runtime.lanes.prompt_rows > 0, runtime.lanes.summary()  # prompt rows shared decode passes
+    assert turns[2].prefill_passes >= 2  # ... in pieces
+    assert together[2].stats.prefilled_tokens == len(late)

@@ -357,15 +357,20 @@ class Transformer(nn.Module):
         """Logits [m, vocab] (float32) of tokens [m] at positions start..start+m; None if not `logits`."""
         return self.forward_passes(tokens, [SequencePass(cache, start, tokens.shape[0])], logits)
 
-    def forward_passes(self, tokens: torch.Tensor, passes: Sequence[SequencePass],
-                       logits: bool = True) -> torch.Tensor | None:
-        """Logits [m, vocab] of the rows of several sequences' passes run as one (see `lane_steps`)."""
+    def forward_passes(self, tokens: torch.Tensor, passes: Sequence[SequencePass], logits: bool = True,
+                       rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits [m, vocab] of the rows of several sequences' passes run as one (see `lane_steps`);
+        with `rows` (indices), of those rows only (a pass's prompt rows need none; the head is a row's
+        own arithmetic, so which rows it runs on changes no bit)."""
         final: list[torch.Tensor] = []
         for _ in self.lane_steps(tokens, passes, final):
             pass
         if not logits:
             return None
-        return self.logits(final[0])
+        h = final[0] if rows is None else final[0].index_select(0, rows)
+        if not h.shape[0]:
+            return h.new_zeros(0, self.args.vocab_size, dtype=torch.float32)
+        return self.logits(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [m, vocab] of the last layer's hidden states h [m, hidden]."""
