@@ -27,6 +27,13 @@ from agentfold.engine.selfcheck import ExactnessReport
 
 PrefillObserver = Callable[[CacheState], None]
 
+# Where prompts run as passes (`Engine.stream(prefill_in_passes=True)`): a chunk of the plan up to this
+# many rows is asked for as prefill passes (a turn's new message, a short tool result: they ride in
+# the replies' shared passes), a longer one runs layer steps (a long prompt's attention costs a pass
+# of 32 rows after 12K tokens ~130 ms: in the decoding replies' passes it would stretch their every
+# token five-fold, where layer steps in time slices at most double it).
+PROMPT_PASS_MAX = 128
+
 # Prefill chunk of the plan (absolute multiples; part of the snapshot key). Each chunk is one
 # scheduled step, so it bounds how long a long prompt keeps other replies waiting: on 2 Xeon cores
 # with SmolLM2-135M, 512 tokens take 0.9 s at the start of a prompt and 2.8 s at 4K tokens, and
@@ -358,12 +365,13 @@ class Engine:
                  on_prefill: PrefillObserver | None, stats: DecodeStats,
                  in_passes: bool = False) -> Iterator[Delta | PassRequest]:
         """The plan's chunks up to the last prompt token (row 0 of the first pass), a layer per step,
-        or (`in_passes`) as prefill requests the driver runs, each followed by an empty Delta."""
+        or (`in_passes`, chunks of at most PROMPT_PASS_MAX rows) as prefill requests the driver
+        runs, each followed by an empty Delta. Both give the same bits where `in_passes` is allowed."""
         end = len(prompt) - 1
         for cut in [*self.plan(cache.length, end, cuts), end]:
             if cut <= cache.length:
                 continue
-            if in_passes:
+            if in_passes and cut - cache.length <= PROMPT_PASS_MAX:
                 while cache.length < cut:
                     request = PassRequest(list(prompt[cache.length : cut]), cache, prefill=True)
                     before = cache.length

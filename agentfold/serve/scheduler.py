@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
-from agentfold.engine.decode import Engine, Generation, PassRequest, first_mismatch
+from agentfold.engine.decode import PROMPT_PASS_MAX, Engine, Generation, PassRequest, first_mismatch
 from agentfold.engine.protocol import forward_lanes
 from agentfold.serve.lanes import LaneStats, plan_lanes
 from agentfold.serve.limits import DEFAULT_MAX_QUEUE
@@ -50,9 +50,9 @@ log = logging.getLogger(__name__)
 # Xeon cores: ~1 s to the first token with 20 ms slices, the session idle meanwhile).
 PREFILL_SLICE_S = 0.02
 # Where prompts run as passes (`ExactnessReport.prefill_lanes`): the prompt rows a reply in prefill
-# runs in a pass of its own when no reply decodes (a bound on how long one pass holds the worker;
+# runs in a pass of its own when no reply decodes (a whole short chunk, `decode.PROMPT_PASS_MAX`;
 # with replies decoding, its rows ride in their shared pass instead, `lanes.PROMPT_ROWS` at a time).
-PROMPT_PASS_ROWS = 128
+PROMPT_PASS_ROWS = PROMPT_PASS_MAX
 
 __all__ = ["Event", "Hook", "Runtime", "RuntimeBusy", "RuntimeClosed", "Turn", "TurnCancelled", "TurnRequest"]
 
