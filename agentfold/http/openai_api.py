@@ -26,7 +26,8 @@ from agentfold import __version__
 from agentfold.chat.plan import ChatPlan, check_schema, parse_tool_choice
 from agentfold.chat.tool_calls import TextPiece
 from agentfold.chat.tools import ToolCall, ToolSpec
-from agentfold.engine.decode import Delta, token_bytes
+from agentfold.engine.decode import Delta
+from agentfold.engine.detokenizer import token_bytes
 from agentfold.engine.sampler import TokenLogprob
 from agentfold.http.errors import ApiError
 from agentfold.http.fields import (
