@@ -189,10 +189,17 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions:
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _LANE_SIGNATURE = {"lane_attention": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
-                                      ctypes.c_float, _I64, ctypes.c_int, _I64, _PTR, _I64, _PTR, _I64],
+                                      ctypes.c_float, _I64, ctypes.c_int, _I64, _PTR, _I64, _PTR, _I64, _I64],
                    "lane_attention_fused": ([], ctypes.c_int)}
 CACHE_DTYPES = {torch.float32: 0, torch.float16: 1}  # the caches the C kernel reads (value: its `half` flag)
 LaneKV = tuple[int, int, int, torch.Tensor, torch.Tensor]  # rows begin, rows, start, keys, values [kv_heads, cap, d]
+
+
+def block_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Keys [kv_heads, cap, d] (cap a multiple of 16) in `LayerCache`'s blocked layout
+    [kv_heads, cap / 16, d, 16] (a copy)."""
+    kv_heads, cap, d = keys.shape
+    return keys.reshape(kv_heads, cap // 16, 16, d).transpose(2, 3).contiguous()
 
 
 def lane_library() -> ctypes.CDLL | None:
@@ -231,15 +238,18 @@ class LaneTable:
             for k, v in caches:
                 if not (k.is_contiguous() and v.is_contiguous()) or k.dtype != keys.dtype or v.dtype != keys.dtype:
                     raise ValueError("lane caches must be contiguous, of one dtype")
-            self.layers.append((column(*[k.shape[1] for k, _ in caches]), column(*[k.data_ptr() for k, _ in caches]),
-                                column(*[v.data_ptr() for _, v in caches]), CACHE_DTYPES[keys.dtype], keys.shape[0]))
+                if k.dim() != keys.dim() or (k.dim() == 4 and k.shape[1] * k.shape[3] != v.shape[1]):
+                    raise ValueError("lane caches must share one key layout (blocked keys: 16 positions a block)")
+            self.layers.append((column(*[v.shape[1] for _, v in caches]), column(*[k.data_ptr() for k, _ in caches]),
+                                column(*[v.data_ptr() for _, v in caches]), CACHE_DTYPES[keys.dtype], keys.shape[0],
+                                int(keys.dim() == 4)))
 
     def attend(self, layer: int, q: torch.Tensor, new_keys: torch.Tensor | None, new_values: torch.Tensor | None,
                scale: float, window: int | None) -> torch.Tensor:
         """Layer `layer`'s attention of every lane: q [m, heads, d] float32 (lane after lane) -> [m, heads, d].
         `new_keys` / `new_values` [m, kv_heads, d] (float32, rows may be strided): the rows' own keys
         and values, stored into each lane's cache at its positions first (None: already there)."""
-        capacity, keys, values, half, kv_heads = self.layers[layer]
+        capacity, keys, values, half, kv_heads, blocked = self.layers[layer]
         m, heads, d = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -254,7 +264,7 @@ class LaneTable:
         lane_library().lane_attention(q.data_ptr(), out.data_ptr(), heads, kv_heads, d, self.count, self.begin,
                                       self.lengths, self.start, capacity, keys, values, scale, window or 0,
                                       torch.get_num_threads(), half, written[0][0], written[0][1], written[1][0],
-                                      written[1][1])
+                                      written[1][1], blocked)
         return out
 
 
@@ -272,14 +282,17 @@ def lane_table(rows: int, spans: Sequence[tuple[int, int, int]],
     return LaneTable(spans, layers)
 
 
-def lane_attention(q: torch.Tensor, lanes: Sequence[LaneKV], scale: float, window: int | None) -> torch.Tensor | None:
+def lane_attention(q: torch.Tensor, lanes: Sequence[LaneKV], scale: float, window: int | None,
+                   blocked: bool = False) -> torch.Tensor | None:
     """Decode / verify attention of every lane of a pass in one C call: q [m, heads, d] (lane after
     lane) -> [m, heads, d]; a lane's row at position p sees its own cache's keys 0..p (with a
     `window`, the last `window` of them). Row-exact by construction (csrc/lane_attention.c), and a
-    lane's keys and values are read once for all of its rows. None where it does not apply (see
-    `lane_table`; also queries in another dtype than float32): the caller runs `attention` per lane."""
+    lane's keys and values are read once for all of its rows. `blocked`: hand the kernel the keys in
+    `LayerCache`'s blocked layout (copies; capacities a multiple of 16), as the model's caches are.
+    None where it does not apply (see `lane_table`; also queries in another dtype than float32):
+    the caller runs `attention` per lane."""
     if q.dtype != torch.float32:
         return None
-    layer = [(keys.contiguous(), values.contiguous()) for _, _, _, keys, values in lanes]
+    layer = [(block_keys(keys) if blocked else keys.contiguous(), values.contiguous()) for _, _, _, keys, values in lanes]
     table = lane_table(q.shape[0], [(begin, rows, start) for begin, rows, start, _, _ in lanes], [layer])
     return None if table is None else table.attend(0, q, None, None, scale, window)

@@ -208,6 +208,20 @@ static inline void *cache_row(void *base, int64_t half, int64_t index, int64_t d
     return (char *)base + (size_t)(index * d) * (half ? sizeof(uint16_t) : sizeof(float));
 }
 
+/* One position's d new key elements into a float32 or float16 cache: row `position` of [capacity][d],
+ * or (`blocked`) lane position % 16 of block position / 16's [d][16]. */
+static inline void store_key(const float *from, int64_t half, int64_t blocked, int64_t position, int64_t d, void *keys) {
+    if (!blocked) {
+        narrow(from, half, d, cache_row(keys, half, position, d));
+        return;
+    }
+    int64_t at = (position - position % 16) * d + position % 16; /* element (position, 0) */
+    for (int64_t c = 0; c < d; c++) {
+        if (half) ((uint16_t *)keys)[at + c * 16] = float_to_half(from[c]);
+        else ((float *)keys)[at + c * 16] = from[c];
+    }
+}
+
 /* Ask for the cache rows of the block of 16 starting at `from` (up to `last`) ahead of their use:
  * the blocks are streamed from memory once per task, and the work on one block hides the next
  * ones' latency. `fetch_ahead`: PREFETCH_BLOCKS blocks ahead into L1; `fetch_far`: into L2, each
@@ -326,9 +340,19 @@ static inline __attribute__((always_inline)) void accumulate_shared(
 #undef SHARED
 }
 
-/* Keys j0..j0+count-1 of a float32 or float16 cache widened and transposed into kt [d][16]
- * (key j0 + t in lane t; lanes past count zero). Data movement only: exact, by any method. */
-static inline void transpose_keys(const void *keys, int64_t half, int64_t j0, int64_t count, int64_t d, float *kt) {
+/* Keys j0..j0+count-1 (j0 a multiple of 16) of a float32 or float16 cache widened and, unless the
+ * cache keeps its keys `blocked` (LayerCache: [d][16] per 16 positions, as kt), transposed into
+ * kt [d][16] (key j0 + t in lane t; lanes past count zero, or, blocked, whatever the block holds
+ * there: those keys are outside every query's range and masked). Data movement only: exact, by
+ * any method. */
+static inline void transpose_keys(const void *keys, int64_t half, int64_t blocked, int64_t j0, int64_t count, int64_t d,
+                                  float *kt) {
+    if (blocked) { /* the block lies as kt wants it: [d][16] (lanes past count hold rows not seen, masked) */
+        (void)count;
+        const char *block = cache_row((void *)keys, half, j0, d); /* block j0 / 16 starts where row j0 would */
+        for (int64_t c = 0; c < d; c++) widen(block + c * W * (half ? 2 : 4), half, W, kt + c * W);
+        return;
+    }
 #if defined(__AVX512F__)
     if (d % W == 0) {
         for (int64_t c0 = 0; c0 < d; c0 += W) {
@@ -394,7 +418,7 @@ static inline __attribute__((always_inline)) void block_scores(const int n, cons
  * sums and outputs. A query's arithmetic is its own: which queries share a call changes no bit. */
 static inline __attribute__((always_inline)) void attend_queries(
     const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
-    int64_t rows, int64_t start, int64_t d, float scale, int64_t window, int64_t r0, int64_t r1, float *e) {
+    int64_t blocked, int64_t rows, int64_t start, int64_t d, float scale, int64_t window, int64_t r0, int64_t r1, float *e) {
     int64_t queries = r1 - r0, first = lowest_key(start, window), last = start + rows - 1;
     int64_t base = first - first % W, blocks = (last - base) / W + 1, span = blocks * W; /* aligned to 16 */
     float *qv = malloc(sizeof(float) * (size_t)(queries * d));   /* the queries, one after the other */
@@ -418,7 +442,7 @@ static inline __attribute__((always_inline)) void attend_queries(
             int64_t from = j0 + h * W, count = last - from + 1 < W ? last - from + 1 : W;
             fetch_ahead(keys, half, from + PREFETCH_BLOCKS * W, last, d);
             fetch_far(values, half, from, last, d);
-            transpose_keys(keys, half, from, count, d, kt + h * d * W);
+            transpose_keys(keys, half, blocked, from, count, d, kt + h * d * W);
         }
         for (int64_t i0 = 0; i0 < queries; i0 += 4) {
             int64_t n = queries - i0 < 4 ? queries - i0 : 4;
@@ -505,11 +529,11 @@ static inline __attribute__((always_inline)) void attend_queries(
  * (accumulate_shared), each value row read once for a sub-group. */
 static inline __attribute__((always_inline)) void attend_lane_group(
     const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
-    int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
+    int64_t blocked, int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
     const float *new_keys, int64_t k_stride, const float *new_values, int64_t v_stride) {
     if (new_keys)
         for (int64_t r = 0; r < rows; r++) {
-            narrow(new_keys + r * k_stride, half, d, cache_row(keys, half, start + r, d));
+            store_key(new_keys + r * k_stride, half, blocked, start + r, d, keys);
             narrow(new_values + r * v_stride, half, d, cache_row(values, half, start + r, d));
         }
     int64_t queries = rows * group, first = lowest_key(start, window), last = start + rows - 1;
@@ -520,17 +544,17 @@ static inline __attribute__((always_inline)) void attend_lane_group(
     float *e = malloc(sizeof(float) * (size_t)(span * step)); /* scores, then numerators: [query][key - base] */
     if (!e) abort();
     for (int64_t r0 = 0; r0 < queries; r0 += step)
-        attend_queries(q, q_stride, group, out, keys, values, half, rows, start, d, scale, window, r0,
+        attend_queries(q, q_stride, group, out, keys, values, half, blocked, rows, start, d, scale, window, r0,
                        r0 + step < queries ? r0 + step : queries, e);
     free(e);
 }
 
 /* attend_lane_group compiled for the common head sizes as constants (loops unroll); the same
  * source order of operations, so the same bits as the generic one. */
-#define ATTEND(D) attend_lane_group(q, q_stride, group, out, keys, values, half, rows, start, D, scale, window, \
+#define ATTEND(D) attend_lane_group(q, q_stride, group, out, keys, values, half, blocked, rows, start, D, scale, window, \
                                     new_keys, k_stride, new_values, v_stride)
 static void attend_task(const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values,
-                        int64_t half, int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
+                        int64_t half, int64_t blocked, int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
                         const float *new_keys, int64_t k_stride, const float *new_values, int64_t v_stride) {
     switch (d) {
     case 64: ATTEND(64); break;
@@ -548,7 +572,7 @@ struct attention_job {
     float scale;
     int64_t window, half;
     const float *new_keys, *new_values;
-    int64_t k_stride, v_stride;
+    int64_t k_stride, v_stride, blocked;
 };
 
 /* Task t: lane t / kv_heads, kv head t % kv_heads. */
@@ -561,8 +585,8 @@ static void attention_task(void *context, int64_t t) {
     void *lane_values = cache_row((void *)(intptr_t)job->values[l], half, offset, d);
     const float *new_keys = job->new_keys ? job->new_keys + job->begin[l] * job->k_stride + kv * d : NULL;
     const float *new_values = job->new_values ? job->new_values + job->begin[l] * job->v_stride + kv * d : NULL;
-    attend_task(job->q + first, heads * d, group, job->out + first, lane_keys, lane_values, half, job->rows[l],
-                job->start[l], d, job->scale, job->window, new_keys, job->k_stride, new_values,
+    attend_task(job->q + first, heads * d, group, job->out + first, lane_keys, lane_values, half, job->blocked,
+                job->rows[l], job->start[l], d, job->scale, job->window, new_keys, job->k_stride, new_values,
                 job->v_stride);
 }
 
@@ -570,8 +594,8 @@ void lane_attention(const float *q, float *out, int64_t heads, int64_t kv_heads,
                     const int64_t *begin, const int64_t *rows, const int64_t *start, const int64_t *capacity,
                     const int64_t *keys, const int64_t *values, float scale, int64_t window, int threads,
                     int64_t half, const float *new_keys, int64_t k_stride, const float *new_values,
-                    int64_t v_stride) {
+                    int64_t v_stride, int64_t blocked) {
     struct attention_job job = {q, out, heads, kv_heads, d, begin, rows, start, capacity, keys, values, scale,
-                                window, half, new_keys, new_values, k_stride, v_stride};
+                                window, half, new_keys, new_values, k_stride, v_stride, blocked};
     pool_for(threads, lanes * kv_heads, attention_task, &job);
 }

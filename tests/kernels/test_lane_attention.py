@@ -97,6 +97,16 @@ def test_prefill_chunks_and_wide_passes_are_row_exact_too(context, window, threa
         assert torch.equal(chunk[i], alone[0]), i
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d,window,shape", CASES, ids=[f"d{c[2]}-{len(c[4])}lanes" for c in CASES])
+def test_blocked_keys_give_the_same_bits(heads, kv_heads, d, window, shape, dtype, threads):
+    """Keys in LayerCache's blocks of 16 positions (the model's caches) are the same numbers as
+    rows: every output has the bits of the row layout's."""
+    q, lanes = _pass(heads, kv_heads, d, shape, seed=5, dtype=dtype)
+    rows = torch_cpu.lane_attention(q, lanes, 0.125, window)
+    assert torch.equal(torch_cpu.lane_attention(q, lanes, 0.125, window, blocked=True), rows)
+
+
 def test_it_declines_what_it_does_not_cover():
     """Queries in another dtype than float32 (or caches the kernel does not read) go to torch's
     attention (None)."""
@@ -107,12 +117,13 @@ def test_it_declines_what_it_does_not_cover():
     assert torch_cpu.attention_kernel().startswith("lane_attention.c")
 
 
-def _layer_lanes(heads: int, kv_heads: int, d: int, shape: list[tuple[int, int]], dtype: torch.dtype, seed: int):
+def _layer_lanes(heads: int, kv_heads: int, d: int, shape: list[tuple[int, int]], dtype: torch.dtype, seed: int,
+                 blocked: bool = False):
     """A pass over LayerCaches holding random contexts: q and the rows' own k, v, the caches, the spans."""
     generator = torch.Generator().manual_seed(seed)
     caches, spans, begin = [], [], 0
     for length, rows in shape:
-        cache = LayerCache(kv_heads, d, dtype, torch.device("cpu"))
+        cache = LayerCache(kv_heads, d, dtype, torch.device("cpu"), blocked)
         cache.write(0, *(torch.randn(kv_heads, length, d, generator=generator) for _ in range(2)))
         cache.reserve(length + rows)
         caches.append(cache)
@@ -130,14 +141,16 @@ def _attend(q, k, v, caches, spans, scale=0.125, window=None):
     return ops.attend_lanes(q, k, v, LayerLanes(lanes, positions, end, table, 0), scale, window)
 
 
+@pytest.mark.parametrize("blocked", [False, True], ids=["rows", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_without_the_library_each_lane_runs_torch_attention(monkeypatch, dtype):
+def test_without_the_library_each_lane_runs_torch_attention(monkeypatch, dtype, blocked):
     """`ops.attend_lanes` falls back to storing each lane and torch's attention lane by lane: the
-    same numbers, and the caches hold the same bits (the C kernel rounds to float16 as torch does)."""
-    q, k, v, caches, spans = _layer_lanes(9, 3, 64, [(100, 6), (37, 3)], dtype, seed=3)
+    same numbers, and the caches hold the same bits (the C kernel rounds to float16 as torch does,
+    and stores blocked keys where LayerCache.write puts them)."""
+    q, k, v, caches, spans = _layer_lanes(9, 3, 64, [(100, 6), (37, 3)], dtype, seed=3, blocked=blocked)
     native_out = _attend(q, k, v, caches, spans)
     stored = [cache.read(start + rows) for cache, (_, rows, start) in zip(caches, spans, strict=True)]
-    q, k, v, caches, spans = _layer_lanes(9, 3, 64, [(100, 6), (37, 3)], dtype, seed=3)
+    q, k, v, caches, spans = _layer_lanes(9, 3, 64, [(100, 6), (37, 3)], dtype, seed=3, blocked=blocked)
     monkeypatch.setattr(torch_cpu, "lane_library", lambda: None)
     assert ops.lane_table(q.shape[0], spans, [caches]) is None
     torch_out = _attend(q, k, v, caches, spans)

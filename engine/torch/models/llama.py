@@ -330,7 +330,7 @@ class Transformer(nn.Module):
             end = one.start + one.rows
             for index in layers:  # room for the pass's rows now: no cache moves while the pass runs
                 cache = one.caches[index]
-                if cache.keys.shape[1] < end:  # (the check inline: a call per layer and lane cost ~1 ms a pass)
+                if cache.values.shape[1] < end:  # (the check inline: a call per layer and lane cost ~1 ms a pass)
                     cache.reserve(end)
         if begin != h.shape[0]:
             raise ValueError(f"the passes hold {begin} rows, the hidden states {h.shape[0]}")
@@ -349,7 +349,8 @@ class Transformer(nn.Module):
     def make_cache(self) -> list[LayerCache]:
         weight = self.model.embed_tokens.weight
         dtype = self.cache_dtype or weight.dtype
-        return [LayerCache(self.args.num_key_value_heads, self.args.head_dim, dtype, weight.device)
+        blocked = ops.blocked_keys(weight.device, dtype)
+        return [LayerCache(self.args.num_key_value_heads, self.args.head_dim, dtype, weight.device, blocked)
                 for _ in self.model.layers]
 
     def forward(self, tokens: torch.Tensor, cache: list[LayerCache], start: int,

@@ -111,6 +111,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
     return torch_cpu.attention(q, k, v, q_positions, scale)
 
 
+def blocked_keys(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a cache on `device` in `dtype` keeps its keys in blocks of 16 positions (`LayerCache`):
+    where the C lane attention reads it."""
+    return device.type == "cpu" and dtype in torch_cpu.CACHE_DTYPES and torch_cpu.lane_library() is not None
+
+
 def lane_table(rows: int, spans: Sequence[tuple[int, int, int]], caches: Sequence[Sequence[LayerCache]]) -> Any:
     """What a pass of `rows` rows (lanes `spans`: begin, rows, start) keeps for its layers'
     attention, `caches[slot][lane]` each layer's caches: on CPU the C kernel's table of the lanes
