@@ -198,8 +198,10 @@ def test_audit_and_hooks(smollm2_engine, references):
 
 @pytest.mark.slow
 def test_a_long_prefill_runs_in_scheduled_chunks(smollm2_engine, references):
-    """A long prompt's prefill is one step per layer of each chunk: a short turn submitted after it finishes first,
-    and both replies equal their solo serial runs (the chunks are the plan's, whoever runs between)."""
+    """A long prompt's prefill is scheduled step by step: one step per layer of each chunk, or, where
+    prompts run as passes (these 32-row chunks, `Runtime.prompts_in_passes`), one pass per chunk,
+    alone or riding in the short turn's passes. A short turn submitted after it finishes first, and
+    both replies equal their solo serial runs (the chunks are the plan's, whoever runs between)."""
     ids, expected = references
     chunked = Engine(smollm2_engine.backend, smollm2_engine.tokenizer, smollm2_engine.eos_token_ids,
                      drafter=smollm2_engine.drafter, exactness=smollm2_engine.exactness, chunk_size=32)
@@ -217,8 +219,8 @@ def test_a_long_prefill_runs_in_scheduled_chunks(smollm2_engine, references):
     finally:
         runtime.close()
     assert drafted.tokens == solo.tokens and drafted.stats.drafted > 0
-    layers = len(chunked.backend.new_cache().layers)  # one scheduled step per layer of each chunk
-    assert long_turn.prefill_passes == (len(chunked.plan(0, len(long_ids) - 1)) + 1) * layers
+    steps = 1 if runtime.prompts_in_passes else len(chunked.backend.new_cache().layers)  # per chunk
+    assert long_turn.prefill_passes == (len(chunked.plan(0, len(long_ids) - 1)) + 1) * steps
     assert short_turn.finished_at < long_turn.first_delta_at  # it ran between the long prefill's chunks
     assert drafted.stats.prefill_seconds < drafted.stats.ttft_seconds  # its own chunks, not the waits
 
