@@ -137,8 +137,9 @@ static inline void narrow(const float *from, int64_t half, int64_t count, void *
 int lane_attention_fused(void) { return FUSED; }
 
 /* The scores go by blocks of 16 keys at absolute positions 16b..16b+15, one key per vector lane:
- * each block of the cache is widened and transposed once per task (kt[c][t] = key 16b + t's element
- * c), then every query of the task runs d fused multiply-adds over it, lane t holding its dot
+ * each block of the cache is widened once per task into kt[c][t] = key 16b + t's element c (the
+ * model's caches keep their keys so, `blocked`; a cache of key rows is transposed on the way), then
+ * every query of the task runs d fused multiply-adds over it, lane t holding its dot
  * product with key 16b + t. Per query and key that is the chain dot = fma(k[c], q[c], dot) for
  * c = 0..d-1 from +0, times the scale: nothing a lane computes depends on the other lanes, the
  * other queries or how many there are. Keys outside the query's own (its window's start to its
@@ -153,7 +154,8 @@ int lane_attention_fused(void) { return FUSED; }
  *
  * (Until VERSION 5 a task's queries sat in the vector lanes and each key was broadcast to them:
  * 64 multiply-adds per key for a task of 3 queries, most lanes idle. Keys in lanes cost 4 per key
- * and query, and the transposition 20 per key, shared by the task's queries.) */
+ * and query, and the widening 4 per key (a transposition of key rows 20), shared by the task's
+ * queries.) */
 
 /* exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n); 0 below
  * -87 and for -inf and NaN. Lane-wise operations only. */
