@@ -268,7 +268,7 @@ class LaneTable:
         return out
 
 
-def lane_table(rows: int, spans: Sequence[tuple[int, int, int]],
+def lane_table(spans: Sequence[tuple[int, int, int]],
                layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> LaneTable | None:
     """The pass's `LaneTable` where the C kernel runs its attention (any pass: decode, verify, a
     prefill chunk); None where it does not apply (no compiler, a cache the kernel does not read):
@@ -294,5 +294,5 @@ def lane_attention(q: torch.Tensor, lanes: Sequence[LaneKV], scale: float, windo
     if q.dtype != torch.float32:
         return None
     layer = [(block_keys(keys) if blocked else keys.contiguous(), values.contiguous()) for _, _, _, keys, values in lanes]
-    table = lane_table(q.shape[0], [(begin, rows, start) for begin, rows, start, _, _ in lanes], [layer])
+    table = lane_table([(begin, rows, start) for begin, rows, start, _, _ in lanes], [layer])
     return None if table is None else table.attend(0, q, None, None, scale, window)

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
-from agentfold.engine.decode import PROMPT_PASS_MAX, Engine, Generation, PassRequest, first_mismatch
+from agentfold.engine.decode import Engine, Generation, PassRequest, first_mismatch
 from agentfold.engine.protocol import forward_lanes
 from agentfold.serve.lanes import LaneStats, plan_lanes
 from agentfold.serve.limits import DEFAULT_MAX_QUEUE
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 # passes in a few rounds instead of one layer or two per round (eight SmolLM2 sessions on two
 # Xeon cores: ~1 s to the first token with 20 ms slices, the session idle meanwhile).
 PREFILL_SLICE_S = 0.02
-# Where prompts run as passes (`ExactnessReport.prefill_lanes`): the prompt rows a reply in prefill
-# runs in a pass of its own when no reply decodes (a whole short chunk, `decode.PROMPT_PASS_MAX`;
-# with replies decoding, its rows ride in their shared pass instead, `lanes.PROMPT_ROWS` at a time).
-PROMPT_PASS_ROWS = PROMPT_PASS_MAX
 
 __all__ = ["Event", "Hook", "Runtime", "RuntimeBusy", "RuntimeClosed", "Turn", "TurnCancelled", "TurnRequest"]
 
@@ -210,9 +206,9 @@ class Runtime:
             ended = [turn for turn in batch if not self._prefill_or_ask(turn, share)]
             self._prefilling = sum(turn.prefill_passes > before for turn, before in zip(batch, steps, strict=True))
             asking = [turn for turn in batch if turn._pending is not None]
-            if all(turn._pending.prefill for turn in asking):  # no reply decodes: each prompt in a pass of its own
-                for turn in asking:
-                    del turn._pending.tokens[PROMPT_PASS_ROWS:]
+            # No reply decodes: each prompt's chunk (at most `decode.PROMPT_PASS_MAX` rows) in a pass of
+            # its own; with replies decoding, prompt rows ride in their shared pass, `lanes.PROMPT_ROWS` at a time.
+            if all(turn._pending.prefill for turn in asking):
                 groups = [[i] for i in range(len(asking))]
             else:
                 groups = plan_lanes([turn._pending for turn in asking], self.lane_width)

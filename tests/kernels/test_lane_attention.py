@@ -134,7 +134,7 @@ def _layer_lanes(heads: int, kv_heads: int, d: int, shape: list[tuple[int, int]]
 
 
 def _attend(q, k, v, caches, spans, scale=0.125, window=None):
-    table = ops.lane_table(q.shape[0], spans, [caches])
+    table = ops.lane_table(spans, [caches])
     lanes = [Lane(begin, rows, cache, start) for (begin, rows, start), cache in zip(spans, caches, strict=True)]
     positions = torch.cat([torch.arange(start, start + rows) for _, rows, start in spans])
     end = max(start + rows for _, rows, start in spans)
@@ -152,7 +152,7 @@ def test_without_the_library_each_lane_runs_torch_attention(monkeypatch, dtype, 
     stored = [cache.read(start + rows) for cache, (_, rows, start) in zip(caches, spans, strict=True)]
     q, k, v, caches, spans = _layer_lanes(9, 3, 64, [(100, 6), (37, 3)], dtype, seed=3, blocked=blocked)
     monkeypatch.setattr(torch_cpu, "lane_library", lambda: None)
-    assert ops.lane_table(q.shape[0], spans, [caches]) is None
+    assert ops.lane_table(spans, [caches]) is None
     torch_out = _attend(q, k, v, caches, spans)
     assert torch.allclose(native_out, torch_out, atol=2e-6, rtol=1e-5) and not torch.equal(native_out, torch_out)
     for (keys, values), cache, (_, rows, start) in zip(stored, caches, spans, strict=True):
@@ -171,7 +171,7 @@ def test_float16_is_stored_as_torch_rounds_it():
     cache = LayerCache(1, d, torch.float16, torch.device("cpu"))
     cache.reserve(1)
     q, rows = torch.zeros(1, 1, d), values.view(1, 1, d)
-    table = ops.lane_table(1, [(0, 1, 0)], [[cache]])
+    table = ops.lane_table([(0, 1, 0)], [[cache]])
     table.attend(0, q, rows, rows, 1.0, None)
     keys, _ = cache.read(1)
     assert torch.equal(keys[0, 0].view(torch.int16), values.to(torch.float16).view(torch.int16))

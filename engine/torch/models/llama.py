@@ -336,7 +336,7 @@ class Transformer(nn.Module):
             raise ValueError(f"the passes hold {begin} rows, the hidden states {h.shape[0]}")
         positions = torch.cat([torch.arange(one.start, one.start + one.rows) for one in passes]).to(h.device)
         end = max(one.start + one.rows for one in passes)
-        table = ops.lane_table(begin, spans, [[one.caches[index] for one in passes] for index in layers])
+        table = ops.lane_table(spans, [[one.caches[index] for one in passes] for index in layers])
         for slot, index in enumerate(layers):
             layer = self.model.layers[index]
             layer_lanes = [Lane(first, one.rows, one.caches[index], one.start)

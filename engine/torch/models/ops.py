@@ -117,14 +117,14 @@ def blocked_keys(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in torch_cpu.CACHE_DTYPES and torch_cpu.lane_library() is not None
 
 
-def lane_table(rows: int, spans: Sequence[tuple[int, int, int]], caches: Sequence[Sequence[LayerCache]]) -> Any:
-    """What a pass of `rows` rows (lanes `spans`: begin, rows, start) keeps for its layers'
+def lane_table(spans: Sequence[tuple[int, int, int]], caches: Sequence[Sequence[LayerCache]]) -> Any:
+    """What a pass (lanes `spans`: begin, rows, start) keeps for its layers'
     attention, `caches[slot][lane]` each layer's caches: on CPU the C kernel's table of the lanes
     (`torch_cpu.LaneTable`), built once for every layer; None where attention runs lane by lane
     (CUDA, no compiler)."""
     if not caches or not caches[0] or caches[0][0].keys.device.type != "cpu":
         return None
-    return torch_cpu.lane_table(rows, spans, [[(cache.keys, cache.values) for cache in layer] for layer in caches])
+    return torch_cpu.lane_table(spans, [[(cache.keys, cache.values) for cache in layer] for layer in caches])
 
 
 def attend_lanes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lanes: Any, scale: float,
