@@ -16,9 +16,10 @@
  * kernels' pool (pool.h).
  *
  * The cache holds float32 or float16 (IEEE binary16) keys and values. A float16 block of 16 keys
- * is widened (and transposed) once per task, for all of its queries, and a value row as it is read
- * for a sub-group of queries: widening is exact, so the arithmetic after it is the float32
- * kernel's, on the values the cache holds. The call can
+ * is widened as the scores load it, once per sweep of up to 8 queries (the model's caches keep
+ * their keys in such blocks; key rows are widened and transposed into one first), and a value row
+ * as it is read for a sub-group of queries: widening is exact, so the arithmetic after it is the
+ * float32 kernel's, on the values the cache holds. The call can
  * also store the pass's own new keys and values into each lane's cache first (rounded to nearest
  * even when the cache is float16, as torch's conversion does), inside the task that then reads
  * them: one call per layer for every lane, with no per-lane work left to the caller.
@@ -137,9 +138,9 @@ static inline void narrow(const float *from, int64_t half, int64_t count, void *
 int lane_attention_fused(void) { return FUSED; }
 
 /* The scores go by blocks of 16 keys at absolute positions 16b..16b+15, one key per vector lane:
- * each block of the cache is widened once per task into kt[c][t] = key 16b + t's element c (the
- * model's caches keep their keys so, `blocked`; a cache of key rows is transposed on the way), then
- * every query of the task runs d fused multiply-adds over it, lane t holding its dot
+ * a block holds k[c][t] = key 16b + t's element c (the model's caches keep their keys so,
+ * `blocked`, and the scores read it in place; a cache of key rows is transposed into one first),
+ * and every query of the task runs d fused multiply-adds over it, lane t holding its dot
  * product with key 16b + t. Per query and key that is the chain dot = fma(k[c], q[c], dot) for
  * c = 0..d-1 from +0, times the scale: nothing a lane computes depends on the other lanes, the
  * other queries or how many there are. Keys outside the query's own (its window's start to its
@@ -155,7 +156,9 @@ int lane_attention_fused(void) { return FUSED; }
  * (Until VERSION 5 a task's queries sat in the vector lanes and each key was broadcast to them:
  * 64 multiply-adds per key for a task of 3 queries, most lanes idle. Keys in lanes cost 4 per key
  * and query, and the widening 4 per key (a transposition of key rows 20), shared by the task's
- * queries.) */
+ * queries. Until 2026-12 the widened blocks were stored to a buffer and read back by groups of 4
+ * queries; widening them in the scores' own loads, for 8 queries at once, gives the same bits and
+ * cut the attention of 8 lanes x 2 rows over 900 keys by a third on a 2-core AMD EPYC.) */
 
 /* exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n); 0 below
  * -87 and for -inf and NaN. Lane-wise operations only. */
@@ -342,19 +345,11 @@ static inline __attribute__((always_inline)) void accumulate_shared(
 #undef SHARED
 }
 
-/* Keys j0..j0+count-1 (j0 a multiple of 16) of a float32 or float16 cache widened and, unless the
- * cache keeps its keys `blocked` (LayerCache: [d][16] per 16 positions, as kt), transposed into
- * kt [d][16] (key j0 + t in lane t; lanes past count zero, or, blocked, whatever the block holds
- * there: those keys are outside every query's range and masked). Data movement only: exact, by
- * any method. */
-static inline void transpose_keys(const void *keys, int64_t half, int64_t blocked, int64_t j0, int64_t count, int64_t d,
-                                  float *kt) {
-    if (blocked) { /* the block lies as kt wants it: [d][16] (lanes past count hold rows not seen, masked) */
-        (void)count;
-        const char *block = cache_row((void *)keys, half, j0, d); /* block j0 / 16 starts where row j0 would */
-        for (int64_t c = 0; c < d; c++) widen(block + c * W * (half ? 2 : 4), half, W, kt + c * W);
-        return;
-    }
+/* Keys j0..j0+count-1 (j0 a multiple of 16) of a float32 or float16 cache of key rows ([capacity][d])
+ * widened and transposed into kt [d][16] (key j0 + t in lane t; lanes past count zero). A blocked
+ * cache needs none of this: its blocks already lie so, and the scores read them in place
+ * (`key_lanes`). Data movement only: exact, by any method. */
+static inline void transpose_keys(const void *keys, int64_t half, int64_t j0, int64_t count, int64_t d, float *kt) {
 #if defined(__AVX512F__)
     if (d % W == 0) {
         for (int64_t c0 = 0; c0 < d; c0 += W) {
@@ -399,24 +394,39 @@ static inline void transpose_keys(const void *keys, int64_t half, int64_t blocke
         for (int64_t i = 0; i < W; i++) kt[c * W + i] = i < count ? value_at(keys, half, j0 + i, d, c) : 0.0f;
 }
 
-/* n (<= 4) queries' scores over one or two transposed blocks (kt0, and kt1 when `two`): s[i][b]
- * the lanes' dot products with query i (rows at qv + i * d). 8 independent chains keep two FMA
- * pipes of 4 cycles' latency busy. n and two are constants at every call site. */
-static inline __attribute__((always_inline)) void block_scores(const int n, const int two, const float *qv, int64_t d,
-                                                               const float *kt0, const float *kt1, vf s[4][2]) {
-    for (int i = 0; i < 4; i++) s[i][0] = s[i][1] = (vf){0};
+/* Element c of a block of 16 keys ([d][16]: key t's element c in lane t), float16 (`kh`: widened
+ * as it is loaded, exact) or float32: a blocked cache's block read in place, or a staged one. */
+static inline __attribute__((always_inline)) vf key_lanes(const void *block, const int kh, int64_t c) {
+    return value_chunk(block, kh, c, W, 0); /* row c of a [d][16] block, as value rows are read */
+}
+
+/* Queries per sweep of the scores over a pair of blocks: each block element is loaded (and
+ * widened) once for all of them, their 2 x QUERIES sums in registers (AVX-512: 32 of them). */
+#if defined(__AVX512F__)
+#define QUERIES 8
+#else
+#define QUERIES 4
+#endif
+
+/* n (<= QUERIES) queries' scores over one or two blocks of keys (k0, and k1 when `two`; float16
+ * when `kh`): s[i][b] the lanes' dot products with query i (rows at qv + i * d). With 2n
+ * independent chains the FMA pipes stay busy. n, two and kh are constants at every call site. */
+static inline __attribute__((always_inline)) void block_scores(const int n, const int two, const int kh, const float *qv,
+                                                               int64_t d, const void *k0, const void *k1,
+                                                               vf s[QUERIES][2]) {
+    for (int i = 0; i < QUERIES; i++) s[i][0] = s[i][1] = (vf){0};
     for (int64_t c = 0; c < d; c++) {
-        vf k0 = load(kt0 + c * W), k1 = two ? load(kt1 + c * W) : (vf){0};
+        vf key0 = key_lanes(k0, kh, c), key1 = two ? key_lanes(k1, kh, c) : (vf){0};
         for (int i = 0; i < n; i++) {
             vf q = splat(qv[i * d + c]);
-            s[i][0] = madd(k0, q, s[i][0]);
-            if (two) s[i][1] = madd(k1, q, s[i][1]);
+            s[i][0] = madd(key0, q, s[i][0]);
+            if (two) s[i][1] = madd(key1, q, s[i][1]);
         }
     }
 }
 
 /* Queries r0..r1-1 of a task (see attend_lane_group): their scores over every block of keys the
- * task's rows see (each block widened and transposed once for these queries), softmax, weighted
+ * task's rows see (each block read once per sweep of QUERIES of them), softmax, weighted
  * sums and outputs. A query's arithmetic is its own: which queries share a call changes no bit. */
 static inline __attribute__((always_inline)) void attend_queries(
     const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
@@ -424,12 +434,12 @@ static inline __attribute__((always_inline)) void attend_queries(
     int64_t queries = r1 - r0, first = lowest_key(start, window), last = start + rows - 1;
     int64_t base = first - first % W, blocks = (last - base) / W + 1, span = blocks * W; /* aligned to 16 */
     float *qv = malloc(sizeof(float) * (size_t)(queries * d));   /* the queries, one after the other */
-    float *kt = malloc(sizeof(float) * (size_t)(2 * d * W));     /* two blocks of keys, transposed */
+    float *kt = blocked ? NULL : malloc(sizeof(float) * (size_t)(2 * d * W)); /* two blocks of key rows, transposed */
     vf *top = aligned_alloc(sizeof(vf), sizeof(vf) * (size_t)queries); /* each query's largest score per lane */
     vi *low = aligned_alloc(sizeof(vi), sizeof(vi) * (size_t)queries), *high = aligned_alloc(sizeof(vi), sizeof(vi) * (size_t)queries);
     float *sums = malloc(sizeof(float) * (size_t)queries);
     float *acc = calloc((size_t)(queries * d), sizeof(float));
-    if (!qv || !kt || !top || !low || !high || !sums || !acc) abort();
+    if (!qv || (!blocked && !kt) || !top || !low || !high || !sums || !acc) abort();
     for (int64_t i = 0; i < queries; i++) {
         int64_t r = r0 + i, p = start + r / group;
         memcpy(qv + i * d, q + (r / group) * q_stride + (r % group) * d, sizeof(float) * (size_t)d);
@@ -438,23 +448,38 @@ static inline __attribute__((always_inline)) void attend_queries(
         high[i] = (vi){0} + (int32_t)p;
     }
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int64_t b = 0; b < blocks; b += 2) { /* two blocks of keys at a time, each read once for all queries */
+    const int kh = blocked && half; /* the blocks the scores read: the cache's own (float16), or float32 */
+    for (int64_t b = 0; b < blocks; b += 2) { /* two blocks of keys at a time, each read once per sweep */
         int64_t j0 = base + b * W, two = b + 1 < blocks;
+        const void *block[2];
         for (int64_t h = 0; h <= two; h++) {
             int64_t from = j0 + h * W, count = last - from + 1 < W ? last - from + 1 : W;
             fetch_ahead(keys, half, from + PREFETCH_BLOCKS * W, last, d);
             fetch_far(values, half, from, last, d);
-            transpose_keys(keys, half, blocked, from, count, d, kt + h * d * W);
+            if (blocked) { /* block from / 16 lies where row `from` would (lanes past count: keys not seen, masked) */
+                block[h] = cache_row(keys, half, from, d);
+            } else {
+                transpose_keys(keys, half, from, count, d, kt + h * d * W);
+                block[h] = kt + h * d * W;
+            }
         }
-        for (int64_t i0 = 0; i0 < queries; i0 += 4) {
-            int64_t n = queries - i0 < 4 ? queries - i0 : 4;
-            vf s[4][2];
-#define SCORES(N) (two ? block_scores(N, 1, qv + i0 * d, d, kt, kt + d * W, s) : block_scores(N, 0, qv + i0 * d, d, kt, kt, s))
+        for (int64_t i0 = 0; i0 < queries; i0 += QUERIES) {
+            int64_t n = queries - i0 < QUERIES ? queries - i0 : QUERIES;
+            vf s[QUERIES][2];
+#define SCORES(N)                                                                                         \
+    case N:                                                                                               \
+        if (kh) two ? block_scores(N, 1, 1, qv + i0 * d, d, block[0], block[1], s)                      \
+                    : block_scores(N, 0, 1, qv + i0 * d, d, block[0], block[0], s);                      \
+        else two ? block_scores(N, 1, 0, qv + i0 * d, d, block[0], block[1], s)                         \
+                 : block_scores(N, 0, 0, qv + i0 * d, d, block[0], block[0], s);                         \
+        break;
             switch (n) {
-            case 1: SCORES(1); break;
-            case 2: SCORES(2); break;
-            case 3: SCORES(3); break;
-            default: SCORES(4);
+                SCORES(1) SCORES(2) SCORES(3)
+#if QUERIES > 4
+                SCORES(4) SCORES(5) SCORES(6) SCORES(7)
+#endif
+            default:
+                SCORES(QUERIES)
             }
 #undef SCORES
             for (int64_t i = 0; i < n; i++)
@@ -526,8 +551,8 @@ static inline __attribute__((always_inline)) void attend_queries(
  * positions start.., keys / values [capacity, d] (float32, or float16 when `half`). Query r is row
  * r / group, head r % group (at q + row * q_stride + head * d). `new_keys` / `new_values` (row
  * strides k_stride / v_stride), when given, are the rows' own keys and values, stored at positions
- * start.. first. The queries go by groups (attend_queries); in each, a block of keys is widened
- * and transposed once for all of them, and the weighted sums go by sub-groups of queries
+ * start.. first. The queries go by groups (attend_queries); in each, a block of keys is read
+ * once per sweep of QUERIES queries, and the weighted sums go by sub-groups of queries
  * (accumulate_shared), each value row read once for a sub-group. */
 static inline __attribute__((always_inline)) void attend_lane_group(
     const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
