@@ -103,22 +103,6 @@ static inline uint16_t float_to_half(float f) {
     return (uint16_t)(sign | (kept - (112u << 10)));
 }
 
-/* count elements of a float32 or float16 cache row, widened into `to` (exact). */
-static inline void widen(const void *from, int64_t half, int64_t count, float *to) {
-    if (!half) {
-        memcpy(to, from, sizeof(float) * (size_t)count);
-        return;
-    }
-    const uint16_t *h = from;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= count; i += 16) _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
-#elif defined(__F16C__)
-    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#endif
-    for (; i < count; i++) to[i] = half_to_float(h[i]);
-}
-
 /* count float32 values stored into a float32 or float16 cache row (float16: rounded to nearest even). */
 static inline void narrow(const float *from, int64_t half, int64_t count, void *to) {
     if (!half) {
