@@ -16,10 +16,10 @@
  * kernels' pool (pool.h).
  *
  * The cache holds float32 or float16 (IEEE binary16) keys and values. A float16 block of 16 keys
- * is widened as the scores load it, once per sweep of up to 8 queries (the model's caches keep
- * their keys in such blocks; key rows are widened and transposed into one first), and a value row
- * as it is read for a sub-group of queries: widening is exact, so the arithmetic after it is the
- * float32 kernel's, on the values the cache holds. The call can
+ * is widened as the scores load it, once per sweep of up to QUERIES (8, or 4 without AVX-512)
+ * queries (the model's caches keep their keys in such blocks; key rows are widened and transposed
+ * into one first), and a value row as it is read for a sub-group of queries: widening is exact, so
+ * the arithmetic after it is the float32 kernel's, on the values the cache holds. The call can
  * also store the pass's own new keys and values into each lane's cache first (rounded to nearest
  * even when the cache is float16, as torch's conversion does), inside the task that then reads
  * them: one call per layer for every lane, with no per-lane work left to the caller.
