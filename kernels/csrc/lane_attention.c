@@ -211,21 +211,20 @@ static inline void store_key(const float *from, int64_t half, int64_t blocked, i
     }
 }
 
-/* Ask for the cache rows of the block of 16 starting at `from` (up to `last`) ahead of their use:
- * the blocks are streamed from memory once per task, and the work on one block hides the next
- * ones' latency. `fetch_ahead`: PREFETCH_BLOCKS blocks ahead into L1; `fetch_far`: into L2, each
- * value block as its key block is read, so the values' pass finds
- * them in L2 (25% less time at 8 lanes of 4 rows on Zen 4). (Speed only.) */
+/* Ask for the cache rows of the block of 16 starting at `from` (up to `last`) PREFETCH_BLOCKS blocks
+ * ahead of their use, into L2: the blocks are streamed from memory once per task (keys in the
+ * scores, values in the weighted sums), and the work on one block hides the next ones' latency.
+ * Into L2, not L1: a block's 32 lines asked into L1 at once held up the loads behind them. And the
+ * values are fetched in the weighted sums' own pass, not while the keys stream (until 2026-12 they
+ * were, into L2, and the keys into L1): 8 lanes x 2 rows over 900 keys ~17% less time on a 2-core
+ * Zen 4, 8 x 4 rows ~15%, one lane and prefill chunks the same. (Speed only.) */
 #define PREFETCH_BLOCKS 4
-#define FETCH(NAME, ...)                                                                           \
-    static inline void NAME(void *base, int64_t half, int64_t from, int64_t last, int64_t d) {     \
-        if (from > last) return;                                                                   \
-        int64_t count = last - from + 1 < W ? last - from + 1 : W;                                 \
-        const char *p = cache_row(base, half, from, d), *end = cache_row(base, half, from + count, d); \
-        for (; p < end; p += 64) __builtin_prefetch(p, ##__VA_ARGS__);                           \
-    }
-FETCH(fetch_ahead)
-FETCH(fetch_far, 0, 2)
+static inline void fetch_ahead(const void *base, int64_t half, int64_t from, int64_t last, int64_t d) {
+    if (from > last) return;
+    int64_t count = last - from + 1 < W ? last - from + 1 : W;
+    const char *p = cache_row((void *)base, half, from, d), *end = cache_row((void *)base, half, from + count, d);
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 2);
+}
 
 
 /* Value row j's elements c..c+15, widened when the cache is float16 (exact). */
@@ -294,7 +293,7 @@ static inline __attribute__((always_inline)) void accumulate_shared_n(
             for (int64_t c = 0; c < chunks; c++) part[i][c] = load(acc + i * d + c0 + c * W);
         }
         for (int64_t j = from; j <= to; j++) {
-            if (((j - from) & (W - 1)) == 0) fetch_ahead((void *)values, half, j + PREFETCH_BLOCKS * W, to, d);
+            if (((j - from) & (W - 1)) == 0) fetch_ahead(values, half, j + PREFETCH_BLOCKS * W, to, d);
             vf x[CH];
             for (int64_t c = 0; c < chunks; c++) x[c] = value_chunk(values, half, j, d, c0 + c * W);
             for (int64_t i = 0; i < n; i++) {
@@ -439,7 +438,6 @@ static inline __attribute__((always_inline)) void attend_queries(
         for (int64_t h = 0; h <= two; h++) {
             int64_t from = j0 + h * W, count = last - from + 1 < W ? last - from + 1 : W;
             fetch_ahead(keys, half, from + PREFETCH_BLOCKS * W, last, d);
-            fetch_far(values, half, from, last, d);
             if (blocked) { /* block from / 16 lies where row `from` would (lanes past count: keys not seen, masked) */
                 block[h] = cache_row(keys, half, from, d);
             } else {
