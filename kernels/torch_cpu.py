@@ -28,6 +28,7 @@ import ctypes
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -222,27 +223,28 @@ class LaneTable:
     as the C arrays the kernel reads: a layer's call then costs the same however many lanes share
     the pass (one call; the kernel also stores the rows' new keys and values). The caches must
     have room for the pass's rows before the table is made (`LayerCache.reserve`), so that no
-    address changes while the pass runs.
+    address changes while the pass runs. `layers`: per layer the caches' dtype, kv heads and key
+    layout (blocked or not), and per lane (capacity, keys' address, values' address) of caches
+    that are contiguous, in that dtype and layout: `lane_table` checks tensors for it, the model's
+    own caches hold it by construction (`LayerCache.addresses`).
     """
 
-    def __init__(self, spans: Sequence[tuple[int, int, int]], layers: Sequence[Sequence[tuple[torch.Tensor,
-                                                                                          torch.Tensor]]]) -> None:
+    def __init__(self, spans: Sequence[tuple[int, int, int]],
+                 layers: Sequence[tuple[torch.dtype, int, bool, Sequence[tuple[int, int, int]]]]) -> None:
         count = len(spans)
         column = ctypes.c_int64 * count
         self.count = count
         self.rows = sum(rows for _, rows, _ in spans)
         self.begin, self.lengths, self.start = (column(*c) for c in zip(*spans, strict=True))
-        self.layers = []
-        for caches in layers:
-            keys = caches[0][0]
-            for k, v in caches:
-                if not (k.is_contiguous() and v.is_contiguous()) or k.dtype != keys.dtype or v.dtype != keys.dtype:
-                    raise ValueError("lane caches must be contiguous, of one dtype")
-                if k.dim() != keys.dim() or (k.dim() == 4 and k.shape[1] * k.shape[3] != v.shape[1]):
-                    raise ValueError("lane caches must share one key layout (blocked keys: 16 positions a block)")
-            self.layers.append((column(*[v.shape[1] for _, v in caches]), column(*[k.data_ptr() for k, _ in caches]),
-                                column(*[v.data_ptr() for _, v in caches]), CACHE_DTYPES[keys.dtype], keys.shape[0],
-                                int(keys.dim() == 4)))
+        flat: list[int] = []  # per layer: the lanes' capacities, keys' addresses, values' addresses
+        for *_, addresses in layers:
+            for part in zip(*addresses, strict=True):
+                flat.extend(part)
+        self.addresses = (ctypes.c_int64 * len(flat))(*flat)
+        base, size = ctypes.addressof(self.addresses), ctypes.sizeof(column)
+        self.layers = [(base + 3 * slot * size, base + (3 * slot + 1) * size, base + (3 * slot + 2) * size,
+                        CACHE_DTYPES[dtype], kv_heads, int(blocked))
+                       for slot, (dtype, kv_heads, blocked, _) in enumerate(layers)]
 
     def attend(self, layer: int, q: torch.Tensor, new_keys: torch.Tensor | None, new_values: torch.Tensor | None,
                scale: float, window: int | None) -> torch.Tensor:
@@ -273,13 +275,37 @@ def lane_table(spans: Sequence[tuple[int, int, int]],
     """The pass's `LaneTable` where the C kernel runs its attention (any pass: decode, verify, a
     prefill chunk); None where it does not apply (no compiler, a cache the kernel does not read):
     the model then runs `attention` per lane. Decided by the model alone, so a reply's rows never
-    change kernels."""
+    change kernels. `layers[slot][lane]`: keys and values; ValueError where a layer's caches are not
+    contiguous or differ in dtype or key layout."""
     if lane_library() is None or not layers:
         return None
     keys = layers[0][0][0]
     if keys.device.type != "cpu" or keys.dtype not in CACHE_DTYPES:
         return None
-    return LaneTable(spans, layers)
+    described = []
+    for caches in layers:
+        keys = caches[0][0]
+        for k, v in caches:
+            if not (k.is_contiguous() and v.is_contiguous()) or k.dtype != keys.dtype or v.dtype != keys.dtype:
+                raise ValueError("lane caches must be contiguous, of one dtype")
+            if k.dim() != keys.dim() or (k.dim() == 4 and k.shape[1] * k.shape[3] != v.shape[1]):
+                raise ValueError("lane caches must share one key layout (blocked keys: 16 positions a block)")
+        described.append((keys.dtype, keys.shape[0], keys.dim() == 4,
+                          [(v.shape[1], k.data_ptr(), v.data_ptr()) for k, v in caches]))
+    return LaneTable(spans, described)
+
+
+def cache_table(spans: Sequence[tuple[int, int, int]], layers: Sequence[Sequence[Any]]) -> LaneTable | None:
+    """`lane_table` over caches that note their own addresses (`LayerCache`: contiguous, one dtype
+    and key layout, `addresses` kept as the tensors change): three ints read per layer and lane,
+    nothing checked (a pass of 8 lanes' table in ~0.1 ms instead of ~0.8)."""
+    if lane_library() is None or not layers or not layers[0]:
+        return None
+    keys = layers[0][0].keys
+    if keys.device.type != "cpu" or keys.dtype not in CACHE_DTYPES:
+        return None
+    return LaneTable(spans, [(caches[0].keys.dtype, caches[0].keys.shape[0], caches[0].blocked,
+                              [cache.addresses for cache in caches]) for caches in layers])
 
 
 def lane_attention(q: torch.Tensor, lanes: Sequence[LaneKV], scale: float, window: int | None,

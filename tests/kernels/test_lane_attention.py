@@ -12,7 +12,7 @@ import torch
 
 from agentfold.engine.torch.models import ops
 from agentfold.engine.torch.models.cache import LayerCache
-from agentfold.engine.torch.models.llama import Lane, LayerLanes
+from agentfold.engine.torch.models.llama import LayerLanes
 from agentfold.kernels import native, torch_cpu
 
 pytestmark = pytest.mark.skipif(not native.expected(), reason="no C compiler here (or AGENTFOLD_NATIVE=0)")
@@ -135,10 +135,9 @@ def _layer_lanes(heads: int, kv_heads: int, d: int, shape: list[tuple[int, int]]
 
 def _attend(q, k, v, caches, spans, scale=0.125, window=None):
     table = ops.lane_table(spans, [caches])
-    lanes = [Lane(begin, rows, cache, start) for (begin, rows, start), cache in zip(spans, caches, strict=True)]
     positions = torch.cat([torch.arange(start, start + rows) for _, rows, start in spans])
     end = max(start + rows for _, rows, start in spans)
-    return ops.attend_lanes(q, k, v, LayerLanes(lanes, positions, end, table, 0), scale, window)
+    return ops.attend_lanes(q, k, v, LayerLanes(spans, caches, positions, end, table, 0), scale, window)
 
 
 @pytest.mark.parametrize("blocked", [False, True], ids=["rows", "blocked"])

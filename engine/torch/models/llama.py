@@ -99,16 +99,25 @@ class Lane:
 
 @dataclass(frozen=True)
 class LayerLanes:
-    """A pass's lanes as one layer sees them, with what every layer of the pass shares: the rows'
-    absolute positions (one tensor), one past the highest, and the C attention's table of the
-    lanes (`ops.lane_table`; None where the pass runs attention lane by lane) with this layer's
+    """A pass's lanes as one layer sees them (`spans`: each lane's rows begin, count and start
+    position; `caches`: its cache of this layer), with what every layer of the pass shares: the
+    rows' absolute positions (one tensor), one past the highest, and the C attention's table of
+    the lanes (`ops.lane_table`; None where the pass runs attention lane by lane) with this layer's
     slot in it."""
 
-    lanes: list[Lane]
+    spans: Sequence[tuple[int, int, int]]
+    caches: Sequence[LayerCache]
     positions: torch.Tensor
     end: int
     table: Any
     slot: int
+
+    @property
+    def lanes(self) -> list[Lane]:
+        """Each lane as a `Lane`, for attention lane by lane: made only there (the C table needs
+        none; 30 layers x 8 lanes of them cost ~0.2 ms a pass)."""
+        return [Lane(begin, rows, cache, start) for (begin, rows, start), cache in zip(self.spans, self.caches,
+                                                                                       strict=True)]
 
 
 class Linear(nn.Module):
@@ -336,12 +345,11 @@ class Transformer(nn.Module):
             raise ValueError(f"the passes hold {begin} rows, the hidden states {h.shape[0]}")
         positions = torch.cat([torch.arange(one.start, one.start + one.rows) for one in passes]).to(h.device)
         end = max(one.start + one.rows for one in passes)
-        table = ops.lane_table(spans, [[one.caches[index] for one in passes] for index in layers])
+        caches = [[one.caches[index] for one in passes] for index in layers]
+        table = ops.lane_table(spans, caches)
         for slot, index in enumerate(layers):
             layer = self.model.layers[index]
-            layer_lanes = [Lane(first, one.rows, one.caches[index], one.start)
-                           for (first, _, _), one in zip(spans, passes, strict=True)]
-            h = layer(h, LayerLanes(layer_lanes, positions, end, table, slot), self.rope_for(layer))
+            h = layer(h, LayerLanes(spans, caches[slot], positions, end, table, slot), self.rope_for(layer))
             yield
         if final is not None:
             final.append(h)

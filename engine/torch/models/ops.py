@@ -124,7 +124,7 @@ def lane_table(spans: Sequence[tuple[int, int, int]], caches: Sequence[Sequence[
     (CUDA, no compiler)."""
     if not caches or not caches[0] or caches[0][0].keys.device.type != "cpu":
         return None
-    return torch_cpu.lane_table(spans, [[(cache.keys, cache.values) for cache in layer] for layer in caches])
+    return torch_cpu.cache_table(spans, caches)
 
 
 def attend_lanes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lanes: Any, scale: float,
