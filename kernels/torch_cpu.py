@@ -270,6 +270,12 @@ class LaneTable:
         return out
 
 
+def reads_cache(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the C lane attention reads a cache on `device` in `dtype`: on the CPU, float32 or
+    float16, where the library was built (checked in that order: a CUDA cache never builds it)."""
+    return device.type == "cpu" and dtype in CACHE_DTYPES and lane_library() is not None
+
+
 def lane_table(spans: Sequence[tuple[int, int, int]],
                layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> LaneTable | None:
     """The pass's `LaneTable` where the C kernel runs its attention (any pass: decode, verify, a
@@ -277,10 +283,7 @@ def lane_table(spans: Sequence[tuple[int, int, int]],
     the model then runs `attention` per lane. Decided by the model alone, so a reply's rows never
     change kernels. `layers[slot][lane]`: keys and values; ValueError where a layer's caches are not
     contiguous or differ in dtype or key layout."""
-    if lane_library() is None or not layers:
-        return None
-    keys = layers[0][0][0]
-    if keys.device.type != "cpu" or keys.dtype not in CACHE_DTYPES:
+    if not layers or not reads_cache(layers[0][0][0].device, layers[0][0][0].dtype):
         return None
     described = []
     for caches in layers:
@@ -299,10 +302,7 @@ def cache_table(spans: Sequence[tuple[int, int, int]], layers: Sequence[Sequence
     """`lane_table` over caches that note their own addresses (`LayerCache`: contiguous, one dtype
     and key layout, `addresses` kept as the tensors change): three ints read per layer and lane,
     nothing checked (a pass of 8 lanes' table in ~0.1 ms instead of ~0.8)."""
-    if lane_library() is None or not layers or not layers[0]:
-        return None
-    keys = layers[0][0].keys
-    if keys.device.type != "cpu" or keys.dtype not in CACHE_DTYPES:
+    if not layers or not layers[0] or not reads_cache(layers[0][0].keys.device, layers[0][0].keys.dtype):
         return None
     return LaneTable(spans, [(caches[0].keys.dtype, caches[0].keys.shape[0], caches[0].blocked,
                               [cache.addresses for cache in caches]) for caches in layers])

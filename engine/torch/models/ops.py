@@ -114,7 +114,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
 def blocked_keys(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a cache on `device` in `dtype` keeps its keys in blocks of 16 positions (`LayerCache`):
     where the C lane attention reads it."""
-    return device.type == "cpu" and dtype in torch_cpu.CACHE_DTYPES and torch_cpu.lane_library() is not None
+    return torch_cpu.reads_cache(device, dtype)
 
 
 def lane_table(spans: Sequence[tuple[int, int, int]], caches: Sequence[Sequence[LayerCache]]) -> Any:
@@ -122,8 +122,6 @@ def lane_table(spans: Sequence[tuple[int, int, int]], caches: Sequence[Sequence[
     attention, `caches[slot][lane]` each layer's caches: on CPU the C kernel's table of the lanes
     (`torch_cpu.LaneTable`), built once for every layer; None where attention runs lane by lane
     (CUDA, no compiler)."""
-    if not caches or not caches[0] or caches[0][0].keys.device.type != "cpu":
-        return None
     return torch_cpu.cache_table(spans, caches)
 
 
