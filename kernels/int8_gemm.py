@@ -46,10 +46,13 @@ SIGNATURES: dict[str, list | tuple[list, object]] = {
     "int8_gemm_packed_size": ([_I64, _I64], _I64),
     "int8_gemm_pack": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "int8_gemm": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _INT], _INT),
-    "int8_linear": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT], _INT),
+    "int8_gemm_chunk_sums": [_PTR, _I64, _I64, _PTR],
+    "int8_linear_blocks": ([_I64, _I64], _INT),
+    "int8_linear": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT], _INT),
 }
 ISA_NAMES = {3: "amx-int8", 2: "avx512-vnni", 1: "avx2", 0: "portable"}
 BLOCK, GROUP = 16, 4  # the packed layout: blocks of 16 output channels, k in groups of 4
+EXP_BLOCK = 64  # k per exponent block of the activations (csrc/int8_rows.h; `int8_linear.EXP_BLOCK`)
 
 
 def library() -> ctypes.CDLL | None:
@@ -77,13 +80,15 @@ def _round_up(x: int, to: int) -> int:
 @dataclass
 class PackedWeight:
     """An int8 weight [N, K] in the kernel's layout: data[block][k group][16][4] (N padded to a
-    multiple of 16, K to a multiple of 4, with zeros) and the exact int32 sum of each channel."""
+    multiple of 16, K to a multiple of 4, with zeros), the exact int32 sum of each channel, and
+    each channel's sum over each EXP_BLOCK of k (the block kernel's offset correction)."""
 
     data: torch.Tensor  # int8 [round_up(N, 16) * round_up(K, 4)]
     colsums: torch.Tensor  # int32 [round_up(N, 16)]
     n: int
     k: int
     values: torch.Tensor | None = None  # the int8 [N, K] it was packed from, if kept (torch._int_mm's operand)
+    chunk_sums: torch.Tensor | None = None  # int32 [ceil(round_up(K, 4) / EXP_BLOCK), round_up(N, 16)]
 
     def __post_init__(self) -> None:
         if self.data.dtype != torch.int8 or not self.data.is_contiguous() or self.data.numel() != (
@@ -99,7 +104,8 @@ class PackedWeight:
 
     def nbytes(self) -> int:
         extra = self.values.numel() if self.values is not None else 0
-        return self.data.numel() + 4 * self.colsums.numel() + extra
+        chunks = 4 * self.chunk_sums.numel() if self.chunk_sums is not None else 0
+        return self.data.numel() + 4 * self.colsums.numel() + extra + chunks
 
 
 def pack(values: torch.Tensor, keep_values: bool = False) -> PackedWeight:
@@ -114,7 +120,9 @@ def pack(values: torch.Tensor, keep_values: bool = False) -> PackedWeight:
     data = torch.empty(lib.int8_gemm_packed_size(n, k), dtype=torch.int8)
     colsums = torch.empty(_round_up(n, BLOCK), dtype=torch.int32)
     lib.int8_gemm_pack(w.data_ptr(), n, k, k, data.data_ptr(), colsums.data_ptr(), torch.get_num_threads())
-    return PackedWeight(data, colsums, n, k, values if keep_values else None)
+    chunk_sums = torch.empty(-(-_round_up(k, GROUP) // EXP_BLOCK), _round_up(n, BLOCK), dtype=torch.int32)
+    lib.int8_gemm_chunk_sums(data.data_ptr(), n, k, chunk_sums.data_ptr())
+    return PackedWeight(data, colsums, n, k, values if keep_values else None, chunk_sums)
 
 
 def unpack(packed: PackedWeight) -> torch.Tensor:
@@ -278,12 +286,21 @@ def linear(x: torch.Tensor, packed: PackedWeight, scales: torch.Tensor, bias: to
         x = x.float().contiguous().cpu()
     m = x.shape[0]
     out = torch.empty(m, packed.n, dtype=torch.float32)
-    if lib.int8_linear(x.data_ptr(), m, packed.k, x.stride(0), packed.data.data_ptr(), packed.colsums.data_ptr(),
+    chunk_sums = packed.chunk_sums.data_ptr() if packed.chunk_sums is not None else None
+    if lib.int8_linear(x.data_ptr(), m, packed.k, x.stride(0), packed.data.data_ptr(), packed.colsums.data_ptr(), chunk_sums,
                        packed.n, scales.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
                        torch.get_num_threads()):
         raise MemoryError(f"int8_gemm: no memory for an [{m}, {packed.k}] linear")
     return out
 
 
+def block_kernel_runs(m: int, k: int) -> bool:
+    """Whether `linear` of m rows over k multiplies block mantissas (one pass) rather than the two
+    halves (the same integers either way: csrc/int8_gemm.c's block kernel)."""
+    lib = library()
+    return lib is not None and bool(lib.int8_linear_blocks(m, k))
+
+
 def describe() -> dict[str, str]:
-    return {"int8_gemm": f"int8_gemm.c/{isa()}"}
+    blocks = "+blocks" if block_kernel_runs(16, 1024) else ""
+    return {"int8_gemm": f"int8_gemm.c/{isa()}{blocks}"}

@@ -1,7 +1,8 @@
 """Row-exact linear layers by construction for MLX (CPU BLAS and Metal): integer-valued operands.
 
-The arithmetic is `kernels.int8_linear`'s (int8 weights per output channel, activations as
-16-bit integers per row split into two int8 halves), run through MLX's stock float32 matmul:
+The arithmetic is `kernels.int8_linear`'s version 1 (int8 weights per output channel, activations
+as 16-bit integers per row split into two int8 halves, without the torch path's 8-bit blocks,
+which pay only in its AVX-512 kernel), run through MLX's stock float32 matmul:
 the operands are integers in [-128, 127] held in float32, and K is cut into chunks of at most
 1024, so every product and every partial sum of a chunk is an integer below 2^24 and is exact in
 float32 whatever blocking, vector width, thread count or summation order the GEMM uses (OpenBLAS

@@ -47,6 +47,7 @@ QUICK_LEVELS = (1, 2)
 TURNS = 2  # per session: the task, then its follow-up
 MAX_TOKENS = 128
 QUICK_MAX_TOKENS = 32
+ROUNDS = 2  # each level runs this many times, levels up then down (1, 2, 4, 8, 8, 4, 2, 1): drift cancels
 WARMUP_TOKENS = 8
 RESULT_TIMEOUT_S = 1800  # one turn; a hung runtime ends the bench instead of the process hanging
 
@@ -327,6 +328,7 @@ def level_row(sessions: Sequence[dict[str, Any]], level: dict[str, Any],
         "turns": sum(r["turns"] for r in rows), "completion_tokens": tokens, "seconds": _r(seconds),
         "aggregate_tps": _r(tokens / seconds), "speedup_vs_1": None,  # filled in once level 1 is known
         "steady_seconds": _r(steady_seconds), "steady_tps": _r(steady / steady_seconds) if steady_seconds else None,
+        "steady_tokens": steady,
         "drafted": sum(r["drafted"] for r in rows), "accepted": sum(r["accepted"] for r in rows),
         "tokens_per_pass": _r(tokens / max(1, passes), 4),
         "itl_p50_ms_median": _r(statistics.median(c["itl_p50_ms"] for c in clients)),
@@ -349,10 +351,13 @@ def bench_lanes(model: str | None = None, out: str | Path | None = "bench-result
                 levels: Sequence[int] | None = None, max_tokens: int = MAX_TOKENS, seed: int = 0,
                 dtype: str | None = None, backend: str = "auto", quant: str = "auto", device: str = "auto",
                 verdicts: Path | None = None, progress: Callable[[str], None] | None = None,
-                sessions: int | None = None, turns: int = TURNS) -> dict[str, Any]:
+                sessions: int | None = None, turns: int = TURNS, rounds: int | None = None) -> dict[str, Any]:
     """The pool of `sessions` agent sessions served at each concurrency level, level 1 first (the
     solo reference), then the top level again with lanes off; the result (written to `out` unless
-    None).
+    None). With `rounds` (default ROUNDS, --quick 1) the levels run that many times, up then down
+    (1, 2, 4, 8, 8, 4, 2, 1), and each level's rates are over all its runs: a machine whose speed
+    drifts during the bench (a VM's neighbours) then moves every level alike, not the first
+    level more than the last.
 
     `quick`: levels 1 and 2, four sessions with short code edits, at most `QUICK_MAX_TOKENS` reply
     tokens. `backend="auto"` reads and writes its verdict in `verdicts` (default the file
@@ -366,14 +371,15 @@ def bench_lanes(model: str | None = None, out: str | Path | None = "bench-result
     if quick:
         max_tokens = min(max_tokens, QUICK_MAX_TOKENS)
     count = sessions or (QUICK_SESSIONS if quick else SESSIONS)
-    if max_tokens < 2 or turns < 1:
-        raise BenchError(f"max_tokens must be >= 2 and turns >= 1, not {max_tokens} and {turns}")
+    rounds = (1 if quick else ROUNDS) if rounds is None else rounds
+    if max_tokens < 2 or turns < 1 or rounds < 1:
+        raise BenchError(f"max_tokens must be >= 2, turns and rounds >= 1, not {max_tokens}, {turns} and {rounds}")
     pool = session_prompts(seed, quick, count)
     chosen = _levels(levels, quick, count)
     machine = machine_info()
     result: dict[str, Any] = {**run_header(SCHEMA, utc_timestamp(), quick, machine), "seed": seed,
                               "max_tokens": max_tokens, "sessions": count, "turns_per_session": turns,
-                              "levels_requested": chosen}
+                              "levels_requested": chosen, "rounds": rounds}
     path = resolve(model)
     if backend == "auto" and verdicts is None:
         verdicts = verdict_file()
@@ -390,15 +396,20 @@ def bench_lanes(model: str | None = None, out: str | Path | None = "bench-result
     contexts = {s["index"]: context_cache(engine, s["prompt"]) for s in pool}
     result["context_prefill_seconds"] = _r(time.perf_counter() - began)
 
-    runs, rows = {}, []
+    runs: dict[int, list[dict[str, Any]]] = {}
+    for r in range(rounds):
+        for n in (chosen if r % 2 == 0 else chosen[::-1]):
+            say(f"lanes: {count} sessions of {turns} turns, {n} at a time" + (f" (round {r + 1} of {rounds})"
+                                                                               if rounds > 1 else ""))
+            runs.setdefault(n, []).append(run_level(engine, model_id, pool, contexts, n, max_tokens, seed, turns))
+    reference = runs[1][0]["served"]
+    rows: list[dict[str, Any]] = []
     for n in chosen:
-        say(f"lanes: {count} sessions of {turns} turns, {n} at a time")
-        runs[n] = run_level(engine, model_id, pool, contexts, n, max_tokens, seed, turns)
-        rows.append(_level_row(pool, runs, n, rows, say))
+        rows.append(_level_row(pool, runs[n], reference, n, rows, say))
     top = chosen[-1]
     say(f"lanes: {count} sessions, {top} at a time, every pass alone (lanes off, for comparison)")
     off = run_level(engine, model_id, pool, contexts, top, max_tokens, seed, turns, lanes=False)
-    off_row = level_row(pool, off, runs[1]["served"])
+    off_row = level_row(pool, off, reference)
     gain = _ratio(rows[-1]["aggregate_tps"], off_row["aggregate_tps"])
     say(f"lanes: {top} clients, lanes off: {off_row['aggregate_tps']} tok/s; lanes on gain {gain}x")
     result.update(lanes_off={**off_row, "lanes_gain": gain}, levels=rows, method=METHOD,
@@ -416,21 +427,48 @@ def bench_lanes(model: str | None = None, out: str | Path | None = "bench-result
     return result
 
 
-def _level_row(pool: Sequence[dict[str, Any]], runs: dict[int, Any], n: int, rows: Sequence[dict[str, Any]],
-               say: Callable[[str], None]) -> dict[str, Any]:
-    """Level n's row against level 1 (its solo reference and its rate), and a progress line (and
-    one per mismatch)."""
-    row = level_row(pool, runs[n], None if n == 1 else runs[1]["served"])
+def _level_row(pool: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], reference: dict[int, Any], n: int,
+               rows: Sequence[dict[str, Any]], say: Callable[[str], None]) -> dict[str, Any]:
+    """Level n's row over its runs (`merge_rounds`) against level 1 (its first run is the solo
+    reference of every other run, level 1's later ones too; `rows[0]` its rate), and a progress
+    line (and one per mismatch)."""
+    row = merge_rounds([level_row(pool, run, None if run["served"] is reference else reference) for run in runs])
     row["speedup_vs_1"] = 1.0 if n == 1 else _ratio(row["aggregate_tps"], rows[0]["aggregate_tps"])
     for miss in row["mismatches"]:
         say(f"lanes: MISMATCH at {n} clients: session {miss['index']} {miss['name']} turn {miss['turn']} differs "
             f"from its solo run at token {miss['first_mismatch']}")
-    equal = "the solo reference" if n == 1 else (f"equal to solo {row['equal_to_solo']['equal']}/"
-                                                f"{row['equal_to_solo']['checked']} turns")
-    say(f"lanes: {n} clients: {row['completion_tokens']} tokens in {row['seconds']:g}s = {row['aggregate_tps']} tok/s "
+    equal = "the solo reference" if n == 1 and len(runs) == 1 else (
+        f"equal to solo {row['equal_to_solo']['equal']}/{row['equal_to_solo']['checked']} turns")
+    over = f" over {len(runs)} runs" if len(runs) > 1 else ""
+    say(f"lanes: {n} clients: {row['completion_tokens']} tokens in {row['seconds']:g}s{over} = {row['aggregate_tps']} tok/s "
         f"({row['speedup_vs_1']}x one client; {row['steady_tps']} tok/s while all were busy), "
         f"{row['tokens_per_pass']} tok/pass, ITL p99 max {row['itl_p99_ms_max']} ms, {equal}")
     return row
+
+
+def merge_rounds(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One level's row from its runs' rows (one run: that row): tokens, seconds and turn checks
+    summed, rates over the sums, the worst ITL p99; the first run's detail (per client, per
+    session, lanes), and each run's own figures under `rounds`."""
+    first = rows[0]
+    if len(rows) == 1:
+        return first
+    tokens, seconds = sum(r["completion_tokens"] for r in rows), sum(r["seconds"] for r in rows)
+    steady_tokens, steady_seconds = sum(r["steady_tokens"] for r in rows), sum(r["steady_seconds"] for r in rows)
+    checked = sum(r["equal_to_solo"]["checked"] for r in rows)
+    itl = {c: _r(max(r["itl_p99_ms"][c] for r in rows)) for c in first["itl_p99_ms"]}
+    return {**first, "turns": sum(r["turns"] for r in rows), "completion_tokens": tokens, "seconds": _r(seconds),
+            "aggregate_tps": _r(tokens / seconds), "steady_seconds": _r(steady_seconds), "steady_tokens": steady_tokens,
+            "steady_tps": _r(steady_tokens / steady_seconds) if steady_seconds else None,
+            "drafted": sum(r["drafted"] for r in rows), "accepted": sum(r["accepted"] for r in rows),
+            "itl_p99_ms": itl, "itl_p99_ms_max": _r(max(itl.values())),
+            "reference": first["reference"],
+            "equal_to_solo": {"checked": checked, "equal": sum(r["equal_to_solo"]["equal"] for r in rows)},
+            "mismatches": [m for r in rows for m in r["mismatches"]],
+            "rounds": [{key: r[key] for key in ("seconds", "completion_tokens", "aggregate_tps", "steady_seconds",
+                                                "steady_tps", "tokens_per_pass", "itl_p99_ms_max", "equal_to_solo")}
+                       | {"pass_ms": r["lane_stats"]["pass_ms"], "replies_per_pass": r["lane_stats"]["replies_per_pass"]}
+                       for r in rows]}
 
 
 def summarize(rows: Sequence[dict[str, Any]], others: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
@@ -463,7 +501,10 @@ METHOD = {
                 "resumed session's is (context_prefill_seconds, not in any rate)",
     "levels": "level n: the whole pool served by n clients at once on a fresh Runtime(max_active=n); each client "
               "takes the next session (in pool order) when its last one ended (vLLM's --max-concurrency protocol), "
-              "so every level serves the same sessions, turns and tokens",
+              "so every level serves the same sessions, turns and tokens. With rounds > 1 the levels run again "
+              "in reverse order (1, 2, 4, 8, 8, 4, 2, 1 for two), each level's rates over all its runs and each "
+              "run under its `rounds`: a speed drift of the machine during the bench then weighs on every level "
+              "alike (level 1 first and last)",
     "aggregate_tps": "the pool's committed tokens over the level's time, from the first submit to the last "
                      "committed token; speedup_vs_1: over level 1's, the same sessions served one at a time; "
                      "steady_tps: tokens committed until the first client found the pool empty, over that time "

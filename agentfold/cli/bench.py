@@ -53,6 +53,8 @@ def add_parser(sub: Any) -> None:
     lanes.add_argument("--sessions", type=int, help="agent sessions in the pool every level serves (default 16; "
                        "--quick: 4; at most 32)")
     lanes.add_argument("--turns", type=int, default=2, help="turns per session: the task, then follow-ups (default 2)")
+    lanes.add_argument("--rounds", type=int, help="runs of every level, levels up then down (default 2: "
+                       "1,2,4,8,8,4,2,1, so that a drift of the machine's speed weighs on every level alike; --quick: 1)")
     lanes.add_argument("--quick", action="store_true", help="levels 1 and 2, four sessions, short code edits, 32-token "
                        "replies")
     lanes.add_argument("--seed", type=int, default=0, help="picks the stdlib files; the sampled client's seed")
@@ -138,7 +140,8 @@ def _run_lanes(args: argparse.Namespace) -> int:
     try:
         result = bench_lanes(args.model, args.out, quick=args.quick, levels=levels, max_tokens=args.max_tokens,
                              seed=args.seed, dtype=args.dtype, backend=args.backend, quant=args.quant,
-                             device=args.device, progress=progress, sessions=args.sessions, turns=args.turns)
+                             device=args.device, progress=progress, sessions=args.sessions, turns=args.turns,
+                             rounds=args.rounds)
     except BenchError as error:
         raise ValueError(str(error)) from error
     progress(f"wrote {args.out}: {json.dumps(result['summary'])}")

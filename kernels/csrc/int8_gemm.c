@@ -211,13 +211,14 @@ typedef struct {
     int64_t every;    /* k groups per prefetched line */
 } next_share;
 
-/* MR rows of au (u8 = A + 128, row stride kp) times NB consecutive blocks starting at wb. NB, MR and
+/* MR rows of au (u8 = A + 128, row stride kp) times NB consecutive blocks starting at wb, over
+ * `groups` k groups (all of them, or one exponent block's: the block kernel). NB, MR and
  * PF are constants at every call site, so only the live accumulators remain, all in registers. */
 static inline __attribute__((always_inline)) void tile(const int NB, const int MR, const int PF,
                                                        const uint8_t *au, int64_t kp, const int8_t *wb,
                                                        const int32_t *cs, int32_t *c, int64_t ldc, int64_t n0,
-                                                       int64_t n, next_share next) {
-    const int64_t bstride = BLOCK * kp, groups = kp / GROUP;
+                                                       int64_t n, next_share next, int64_t groups) {
+    const int64_t bstride = BLOCK * kp;
     const int8_t *q = next.at;
     int64_t countdown = next.every;
     FOR_ALL(DECLARE)
@@ -235,11 +236,45 @@ static inline __attribute__((always_inline)) void tile(const int NB, const int M
     FOR_ALL(STORE)
 }
 
+/* The block kernel: rows whose 16-bit integers are, per EXP_BLOCK of k, int8 mantissas times 2^e
+ * (int8_rows.h), so one vpdpbusd pass over the mantissas replaces the two over the halves. After
+ * each exponent block the tile's sums S (|S| <= 64 * 127 * 127 < 2^20, exact) are shifted into one
+ * of two int32 sums kept in memory: c gets S << (e - 4) for e >= 4, low gets S << e for e < 4, so
+ * c * 16 + low is the exact integer sum of the row's 16-bit integers times the weights, what the
+ * halves give (256 * hi + lo), and neither sum can overflow while k <= BLOCK_MAX_K (|S << 4| <
+ * 2^24, and at most 128 blocks). The offset's correction (128 * the block's colsum) comes off each
+ * block's sums before the shift. */
+#define CHUNK_GROUPS (EXP_BLOCK / GROUP)
+#define BLOCK_MAX_K 8192
+
+typedef struct {
+    const uint8_t *exps;        /* the tile's first row's exponents; row i at exps + i * chunks */
+    int64_t chunks;             /* exponent blocks per row */
+    const int32_t *chunk_sums;  /* [chunks][npad]: each channel's weight sum over each block */
+    int64_t npad;
+    int32_t *low;               /* the second sums, laid out as c */
+} block_sums;
+
+/* One exponent block's sums S (raw [mr][PANEL * 16], the offset's correction already off: `tile`
+ * with that block's chunk sums) added, shifted, into the two sums, row by row (see above). */
+static void flush_sums(int nb, int mr, const int32_t *raw, const uint8_t *ex, int64_t chunks, int32_t *c,
+                       int32_t *low, int64_t ldc, int64_t n0) {
+    for (int i = 0; i < mr; i++) {
+        int e = ex[i * chunks];
+        int32_t *to = (e >= 4 ? c : low) + i * ldc + n0;
+        __m128i count = _mm_cvtsi32_si128(e >= 4 ? e - 4 : e);
+        for (int j = 0; j < nb; j++) {
+            __m512i v = _mm512_sll_epi32(_mm512_load_si512((const void *)(raw + (i * PANEL + j) * BLOCK)), count);
+            _mm512_store_si512((void *)(to + j * BLOCK), _mm512_add_epi32(_mm512_load_si512((const void *)(to + j * BLOCK)), v));
+        }
+    }
+}
+
 static const int ROWS_FOR[PANEL + 1] = {0, 12, 12, 8, 6}; /* rows per tile for a panel of NB blocks */
 
 #define CASE(NB, MR, PF) \
     case MR:             \
-        tile(NB, MR, PF, au, kp, wb, cs, c, ldc, n0, n, next); \
+        tile(NB, MR, PF, au, kp, wb, cs, c, ldc, n0, n, next, groups); \
         break;
 #define CASES6(NB, PF) \
     CASE(NB, 1, PF) CASE(NB, 2, PF) CASE(NB, 3, PF) CASE(NB, 4, PF) CASE(NB, 5, PF) CASE(NB, 6, PF)
@@ -254,7 +289,7 @@ static const int ROWS_FOR[PANEL + 1] = {0, 12, 12, 8, 6}; /* rows per tile for a
     }
 
 static void dispatch(int nb, int mr, int pf, const uint8_t *au, int64_t kp, const int8_t *wb, const int32_t *cs,
-                     int32_t *c, int64_t ldc, int64_t n0, int64_t n, next_share next) {
+                     int32_t *c, int64_t ldc, int64_t n0, int64_t n, next_share next, int64_t groups) {
     if (pf == AHEAD) {
         PANELS(AHEAD)
     } else if (pf == NEXT) {
@@ -264,11 +299,37 @@ static void dispatch(int nb, int mr, int pf, const uint8_t *au, int64_t kp, cons
     }
 }
 
+/* One tile of the block kernel: per exponent block of k, `tile` over its 16 k groups with that
+ * block's chunk sums as the correction, into a scratch tile, then shifted into the two sums (a
+ * call per block keeps `tile`'s one loop, which GCC compiles with every accumulator in place). */
+static void run_exponent_blocks(int nb, int mr, int pf, const uint8_t *au, int64_t kp, const int8_t *wb,
+                                const block_sums *blocks, int64_t r0, int32_t *c, int64_t ldc, int64_t n0, int64_t n,
+                                next_share next) {
+    int32_t raw[MAX_ROWS * PANEL * BLOCK] __attribute__((aligned(64)));
+    if (n0 + nb * BLOCK > n) memset(raw, 0, sizeof raw); /* `tile` stores no channel past n */
+    int32_t *low = blocks->low + r0 * ldc;
+    const uint8_t *ex = blocks->exps + r0 * blocks->chunks;
+    const int64_t groups = kp / GROUP;
+    for (int i = 0; i < mr; i++) {
+        memset(c + i * ldc + n0, 0, sizeof(int32_t) * (size_t)(nb * BLOCK));
+        memset(low + i * ldc + n0, 0, sizeof(int32_t) * (size_t)(nb * BLOCK));
+    }
+    int64_t lines = next.at ? CHUNK_GROUPS / next.every : 0; /* next-panel lines a block's groups fetch */
+    for (int64_t chunk = 0; chunk < blocks->chunks; chunk++) {
+        int64_t g0 = chunk * CHUNK_GROUPS, count = groups - g0 < CHUNK_GROUPS ? groups - g0 : CHUNK_GROUPS;
+        next_share part = next;
+        if (part.at) part.at += chunk * lines * (BLOCK * GROUP);
+        dispatch(nb, mr, pf, au + g0 * GROUP, kp, wb + g0 * (BLOCK * GROUP), blocks->chunk_sums + chunk * blocks->npad,
+                 raw - n0, PANEL * BLOCK, n0, n, part, count);
+        flush_sums(nb, mr, raw, ex + chunk, blocks->chunks, c, low, ldc, n0);
+    }
+}
+
 /* One thread's blocks [lo, hi): panels of up to 4 blocks, each against every block of rows. A
  * panel's first pass streams it from memory (prefetching ahead) unless the passes over the previous
  * panel already brought it into L2 (they do when there are several passes: each fetches a share). */
 static void run_blocks(const uint8_t *au, int64_t m, int64_t kp, const int8_t *packed, const int32_t *colsums,
-                       int64_t n, int32_t *c, int64_t ldc, int64_t lo, int64_t hi) {
+                       int64_t n, int32_t *c, int64_t ldc, int64_t lo, int64_t hi, const block_sums *blocks) {
     const int64_t groups = kp / GROUP;
     int fetched = 0; /* whether this panel was prefetched by the passes over the previous one */
     for (int64_t b = lo; b < hi; b += PANEL) {
@@ -294,7 +355,11 @@ static void run_blocks(const uint8_t *au, int64_t m, int64_t kp, const int8_t *p
                 next.every = groups / share > 0 ? groups / share : 1;
                 s++;
             }
-            dispatch(nb, mr, pf, au + r0 * kp, kp, wb, colsums, c + r0 * ldc, ldc, b * BLOCK, n, next);
+            if (blocks) {
+                run_exponent_blocks(nb, mr, pf, au + r0 * kp, kp, wb, blocks, r0, c + r0 * ldc, ldc, b * BLOCK, n, next);
+            } else {
+                dispatch(nb, mr, pf, au + r0 * kp, kp, wb, colsums, c + r0 * ldc, ldc, b * BLOCK, n, next, groups);
+            }
             r0 += mr;
         }
         fetched = sharers > 0 && next_nb > 0;
@@ -489,9 +554,9 @@ static inline void pad_rows(int64_t m, int64_t kp, act_t *buf) {
 }
 #define RUN(lo, hi)                                                                \
     (amx_runs(m, kp) ? run_blocks_amx(buf, m, kp, packed, colsums, n, c, ldc, lo, hi) \
-                     : run_blocks(buf, m, kp, packed, colsums, n, c, ldc, lo, hi))
+                     : run_blocks(buf, m, kp, packed, colsums, n, c, ldc, lo, hi, NULL))
 #else
-#define RUN(lo, hi) run_blocks(buf, m, kp, packed, colsums, n, c, ldc, lo, hi)
+#define RUN(lo, hi) run_blocks(buf, m, kp, packed, colsums, n, c, ldc, lo, hi, NULL)
 #endif
 #elif ISA == 1
 typedef int16_t act_t;
@@ -581,19 +646,39 @@ int int8_gemm(const int8_t *a, int64_t m, int64_t k, int64_t lda, const int8_t *
     return 0;
 }
 
+/* Each channel's weight sum over each EXP_BLOCK of k, from the packed form: out [chunks][npad]
+ * int32 (chunks = kp / EXP_BLOCK rounded up, npad = n rounded up to 16), what the block kernel
+ * takes off each block's sums (|sum| <= 127 * 64). */
+void int8_gemm_chunk_sums(const int8_t *packed, int64_t n, int64_t k, int32_t *out) {
+    int64_t kp = round_up(k, GROUP), groups = kp / GROUP, npad = round_up(n, BLOCK);
+    int64_t chunks = (kp + EXP_BLOCK - 1) / EXP_BLOCK;
+    memset(out, 0, sizeof(int32_t) * (size_t)(chunks * npad));
+    for (int64_t b = 0; b < npad / BLOCK; b++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t j = 0; j < BLOCK; j++) {
+                const int8_t *v = packed + b * BLOCK * kp + (g * BLOCK + j) * GROUP;
+                out[(g * GROUP / EXP_BLOCK) * npad + b * BLOCK + j] += v[0] + v[1] + v[2] + v[3];
+            }
+}
+
 /* The whole int8 linear layer of kernels/int8_linear.py in one call (one job of the pool instead
  * of three, no int32 [2m, n] tensor): out [m, n] float32 = x [m, k] (row stride ldx) times the
- * weight's transpose, each row quantized to int8 halves and the exact integer sums combined with
- * the scales (+ bias) by int8_rows.c's own per-row functions, so the same bits as the three calls.
+ * weight's transpose, each row quantized (int8_rows.c's quantize_one), the exact integer sums
+ * combined with the scales (+ bias) by int8_rows.c's own per-row functions, so the same bits as
+ * the three calls. The sums come from the two halves' rows, or, on the AVX-512 path with
+ * `chunk_sums` (int8_gemm_chunk_sums; NULL: the halves), from one row of block mantissas each
+ * (the block kernel above): the same integers, so the same bits, from half the multiply-adds.
  * Each share computes its channels in chunks of LINEAR_CHUNK blocks into a tile of its own and
  * combines them at once. Returns 0, or -1 when the buffers could not be allocated. */
 #define LINEAR_CHUNK 16
 
 struct linear_job {
-    struct gemm_job gemm;   /* over the 2m halves: hi rows, then lo rows */
+    struct gemm_job gemm;   /* over the 2m halves (hi rows, then lo rows), or the m mantissa rows */
     const float *row_scales, *weight_scales, *bias;
     float *out;
-    int32_t *tiles;         /* per share: [2m][LINEAR_CHUNK * 16] */
+    int32_t *tiles;         /* per share: [2m][LINEAR_CHUNK * 16]: hi, lo sums (or c, low sums) */
+    const uint8_t *exps;    /* the block path: [m][chunks] exponents; NULL: the halves */
+    const int32_t *chunk_sums;
 };
 
 static void linear_share(void *context, int64_t t) {
@@ -601,9 +686,10 @@ static void linear_share(void *context, int64_t t) {
     const struct gemm_job *g = &job->gemm;
     const int8_t *a = g->a, *packed = g->packed;
     const int32_t *colsums = g->colsums;
-    int64_t m = g->m, k = g->k, lda = g->lda, kp = g->kp, n = g->n, rows = m / 2, lo, hi;
-    int64_t ldc = LINEAR_CHUNK * BLOCK;
-    int32_t *tile = job->tiles + t * m * ldc;
+    int64_t m = g->m, k = g->k, lda = g->lda, kp = g->kp, n = g->n, lo, hi;
+    int64_t rows = job->exps ? m : m / 2, ldc = LINEAR_CHUNK * BLOCK;
+    int32_t *tile = job->tiles + t * 2 * rows * ldc;
+    int64_t unit = HALF;
     (void)a, (void)k, (void)lda, (void)colsums;
 #if ISA != 0
     act_t *buf = g->bufs + t * buffer_rows(m, kp) * kp;
@@ -614,33 +700,74 @@ static void linear_share(void *context, int64_t t) {
     for (int64_t b0 = lo; b0 < hi; b0 += LINEAR_CHUNK) {
         int64_t b1 = b0 + LINEAR_CHUNK < hi ? b0 + LINEAR_CHUNK : hi;
         int32_t *c = tile - b0 * BLOCK; /* column b * 16 of the chunk lands at tile + (b - b0) * 16 */
-        RUN(b0, b1);
+#if ISA == 2
+        if (job->exps) {
+            block_sums bs = {job->exps, (kp + EXP_BLOCK - 1) / EXP_BLOCK, job->chunk_sums, round_up(n, BLOCK),
+                             c + rows * ldc};
+            run_blocks(buf, m, kp, packed, colsums, n, c, ldc, b0, b1, &bs);
+            unit = CHUNK_UNIT;
+        } else
+#endif
+        {
+            RUN(b0, b1);
+        }
         int64_t from = b0 * BLOCK, to = b1 * BLOCK < n ? b1 * BLOCK : n;
         for (int64_t i = 0; i < rows; i++)
-            combine_span(c + i * ldc, c + (rows + i) * ldc, from, to, job->row_scales[i], job->weight_scales,
+            combine_span(c + i * ldc, c + (rows + i) * ldc, unit, from, to, job->row_scales[i], job->weight_scales,
                          job->bias, job->out + i * n);
     }
 }
 
+/* Whether a linear of m rows over k runs on the block kernel (given its chunk sums): the AVX-512
+ * VNNI path at k <= BLOCK_MAX_K in whole exponent blocks, from BLOCK_MIN_ROWS rows (below, the
+ * weights' streaming costs the same for twice the rows, and a block's flush is overhead), unless
+ * the halves would run on AMX tiles. Speed only: both compute the same integers. */
+#define BLOCK_MIN_ROWS 4
+static int block_kernel_runs(int64_t m, int64_t kp) {
+#if ISA == 2
+#if AMX
+    if (amx_runs(2 * m, kp)) return 0;
+#endif
+    return m >= BLOCK_MIN_ROWS && kp <= BLOCK_MAX_K;
+#else
+    (void)m, (void)kp;
+    return 0;
+#endif
+}
+
+/* Whether int8_linear runs the block kernel for m rows over k (given the weight's chunk sums). */
+int int8_linear_blocks(int64_t m, int64_t k) { return k > 0 && block_kernel_runs(m, round_up(k, GROUP)); }
+
 int int8_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const int8_t *packed, const int32_t *colsums,
-                int64_t n, const float *weight_scales, const float *bias, float *out, int threads) {
+                const int32_t *chunk_sums, int64_t n, const float *weight_scales, const float *bias, float *out,
+                int threads) {
     if (m <= 0 || n <= 0) return 0;
     int64_t kp = round_up(k, GROUP), nblocks = round_up(n, BLOCK) / BLOCK, halves = 2 * m;
+    int64_t chunks = (kp + EXP_BLOCK - 1) / EXP_BLOCK;
+    int blocked = chunk_sums != NULL && k > 0 && block_kernel_runs(m, kp);
+    int64_t gemm_rows = blocked ? m : halves;
     if (threads < 1 || nblocks * BLOCK * kp < SMALL_WEIGHT) threads = 1;
     if (threads > nblocks) threads = (int)nblocks;
     int8_t *a = malloc((size_t)(halves * (k > 0 ? k : 1)));
+    int8_t *mantissas = blocked ? malloc((size_t)(m * k)) : NULL;
+    uint8_t *exps = blocked ? malloc((size_t)(m * chunks)) : NULL;
     float *row_scales = malloc(sizeof(float) * (size_t)m);
-    int32_t *tiles = malloc(sizeof(int32_t) * (size_t)(threads * halves * LINEAR_CHUNK * BLOCK));
-    act_t *bufs = ISA != 0 ? malloc((size_t)(threads * buffer_rows(halves, kp) * kp) * sizeof(act_t)) : NULL;
-    int failed = !a || !row_scales || !tiles || (ISA != 0 && !bufs);
+    /* 64-byte aligned: the block kernel adds whole vectors into these sums every block of k */
+    int32_t *tiles = aligned_alloc(64, sizeof(int32_t) * (size_t)(threads * halves * LINEAR_CHUNK * BLOCK));
+    act_t *bufs = ISA != 0 ? malloc((size_t)(threads * buffer_rows(gemm_rows, kp) * kp) * sizeof(act_t)) : NULL;
+    int failed = !a || !row_scales || !tiles || (ISA != 0 && !bufs) || (blocked && (!mantissas || !exps));
     if (!failed) {
-        for (int64_t i = 0; i < m; i++) row_scales[i] = quantize_one(x + i * ldx, k, a + i * k, a + (m + i) * k);
-        struct linear_job job = {{a, halves, k, k, kp, packed, colsums, n, NULL, LINEAR_CHUNK * BLOCK, threads,
-                                  nblocks, bufs},
-                                 row_scales, weight_scales, bias, out, tiles};
+        for (int64_t i = 0; i < m; i++)
+            row_scales[i] = quantize_one(x + i * ldx, k, a + i * k, a + (m + i) * k, blocked ? mantissas + i * k : NULL,
+                                         blocked ? exps + i * chunks : NULL);
+        struct linear_job job = {{blocked ? mantissas : a, gemm_rows, k, k, kp, packed, colsums, n, NULL,
+                                  LINEAR_CHUNK * BLOCK, threads, nblocks, bufs},
+                                 row_scales, weight_scales, bias, out, tiles, exps, chunk_sums};
         pool_for(threads, threads, linear_share, &job);
     }
     free(a);
+    free(mantissas);
+    free(exps);
     free(row_scales);
     free(tiles);
     free(bufs);

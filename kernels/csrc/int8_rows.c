@@ -23,8 +23,10 @@ struct quantize_job {
 };
 
 /* One row: its scale (max |x| / ACT_LEVELS, 1 for a zero row) and its 16-bit integers as int8
- * halves hi, lo (q = 256 hi + lo). Shared with int8_gemm.c's fused linear (int8_rows.h). */
-float quantize_one(const float *row, int64_t k, int8_t *hi, int8_t *lo) {
+ * halves hi, lo (q = 256 hi + lo), each EXP_BLOCK-wide block of them rounded to 8 significant bits
+ * (see int8_rows.h); with `mantissas` and `exps` (both or neither), the blocks' int8 mantissas and
+ * exponents too. Shared with int8_gemm.c's fused linear (int8_rows.h). */
+float quantize_one(const float *row, int64_t k, int8_t *hi, int8_t *lo, int8_t *mantissas, uint8_t *exps) {
     /* The largest |x| (NaN never taken: x > amax is false). A maximum does not depend on the
      * order it is taken in, so 16 running maxima and then their maximum give the scalar loop's
      * value, without its chain of dependent compares (4 cycles each, most of a row's time). */
@@ -42,22 +44,39 @@ float quantize_one(const float *row, int64_t k, int8_t *hi, int8_t *lo) {
     }
     float scale = amax / (float)ACT_LEVELS;
     if (!(scale > 0.0f)) scale = 1.0f;
-    for (int64_t j = 0; j < k; j++) {
-        float q = nearbyintf(row[j] / scale);
-        q = q < -ACT_LEVELS ? -ACT_LEVELS : (q > ACT_LEVELS ? ACT_LEVELS : q);
-        int32_t qi = (int32_t)q;
-        int32_t h = (qi + HALF / 2) >> 8; /* floor division by 256 (arithmetic shift) */
-        hi[j] = (int8_t)h;
-        lo[j] = (int8_t)(qi - h * HALF);
+    for (int64_t b0 = 0; b0 < k; b0 += EXP_BLOCK) {
+        int64_t b1 = b0 + EXP_BLOCK < k ? b0 + EXP_BLOCK : k;
+        int32_t q[EXP_BLOCK], biggest = 0;
+        for (int64_t j = b0; j < b1; j++) {
+            float v = nearbyintf(row[j] / scale);
+            v = v < -ACT_LEVELS ? -ACT_LEVELS : (v > ACT_LEVELS ? ACT_LEVELS : v);
+            int32_t qi = (int32_t)v, a = qi < 0 ? -qi : qi;
+            q[j - b0] = qi;
+            biggest = a > biggest ? a : biggest;
+        }
+        int e = 0;
+        while (e < 8 && biggest > (MANTISSA_LEVELS << e)) e++;
+        if (exps) exps[b0 / EXP_BLOCK] = (uint8_t)e;
+        for (int64_t j = b0; j < b1; j++) {
+            /* q / 2^e is exact in float (|q| < 2^15), rounded half to even as torch.round does */
+            int32_t mantissa = (int32_t)nearbyintf((float)q[j - b0] / (float)(1 << e));
+            int32_t qi = mantissa * (1 << e);
+            int32_t h = (qi + HALF / 2) >> 8; /* floor division by 256 (arithmetic shift) */
+            hi[j] = (int8_t)h;
+            lo[j] = (int8_t)(qi - h * HALF);
+            if (mantissas) mantissas[j] = (int8_t)mantissa;
+        }
     }
     return scale;
 }
 
-/* Columns from..to-1 of one row: y = float(256 * hi + lo) * row_scale * weight_scale (+ bias). */
-void combine_span(const int32_t *hi, const int32_t *lo, int64_t from, int64_t to, float row_scale,
+/* Columns from..to-1 of one row: y = float(unit * hi + lo) * row_scale * weight_scale (+ bias); unit
+ * is HALF for sums of the halves, CHUNK_UNIT for the block kernel's two sums (int8_gemm.c): either
+ * way the exact integer sum of the row's 16-bit integers times the weights, converted once. */
+void combine_span(const int32_t *hi, const int32_t *lo, int64_t unit, int64_t from, int64_t to, float row_scale,
                   const float *weight_scales, const float *bias, float *y) {
     for (int64_t j = from; j < to; j++) {
-        float c = (float)((int64_t)hi[j] * HALF + (int64_t)lo[j]);
+        float c = (float)((int64_t)hi[j] * unit + (int64_t)lo[j]);
         float v = (c * row_scale) * weight_scales[j];
         y[j] = bias ? v + bias[j] : v;
     }
@@ -66,7 +85,7 @@ void combine_span(const int32_t *hi, const int32_t *lo, int64_t from, int64_t to
 static void quantize_row(void *context, int64_t i) {
     const struct quantize_job *job = context;
     int64_t k = job->k;
-    job->scales[i] = quantize_one(job->x + i * k, k, job->halves + i * k, job->halves + (job->m + i) * k);
+    job->scales[i] = quantize_one(job->x + i * k, k, job->halves + i * k, job->halves + (job->m + i) * k, NULL, NULL);
 }
 
 /* x [m, k] float32 -> halves [2m, k] int8 (hi rows, then lo rows), scales [m]; a row per task. */
@@ -86,7 +105,7 @@ struct combine_job {
 static void combine_block(void *context, int64_t t) {
     const struct combine_job *job = context;
     int64_t n = job->n, i = t / job->blocks, from = (t % job->blocks) * GRAIN, to = from + GRAIN < n ? from + GRAIN : n;
-    combine_span(job->sums + i * n, job->sums + (job->m + i) * n, from, to, job->row_scales[i], job->weight_scales,
+    combine_span(job->sums + i * n, job->sums + (job->m + i) * n, HALF, from, to, job->row_scales[i], job->weight_scales,
                  job->bias, job->out + i * n);
 }
 

@@ -198,16 +198,26 @@ def gemma3_torch(gemma3_folder) -> Engine:
 
 @pytest.mark.slow  # loading the model on both backends is ~40 s here
 def test_real_gemma3_agrees_with_mlx(gemma3_folder, gemma3_torch):
-    """Not bit-equal backends (each rounds its int8 activations its own way), but the same model:
-    the first position's top-1 and the first greedy tokens agree."""
+    """Not bit-equal backends (each rounds its int8 activations its own way: torch keeps 8 bits
+    per block of 64), but the same model: the first position's top-1 agrees, and the greedy
+    replies agree until a position where the model is undecided, its two choices within
+    NEAR_TIE logits of each other on both backends (this one's fibonacci reply parts at its
+    4th token, 0.28 and 0.02 logits apart)."""
     mlx = Engine(MLXBackend(load_model(gemma3_folder)), gemma3_torch.tokenizer, gemma3_torch.eos_token_ids)
     config = GenerationConfig(max_tokens=6, draft=False)
+    near_tie = 0.5
     for text in ("The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"):
         ids = gemma3_torch.tokenizer.encode(text)
         ours = gemma3_torch.backend.forward(ids, gemma3_torch.backend.new_cache())
         theirs = mlx.backend.forward(ids, mlx.backend.new_cache())
         assert ours[-1].argmax() == theirs[-1].argmax() and ours[0].argmax() == theirs[0].argmax()
-        assert gemma3_torch.generate(ids, config).tokens == mlx.generate(ids, config).tokens, text
+        mine, other = gemma3_torch.generate(ids, config).tokens, mlx.generate(ids, config).tokens
+        parted = next((j for j, (a, b) in enumerate(zip(mine, other, strict=True)) if a != b), None)
+        if parted is not None:
+            context = ids + mine[:parted]
+            for backend in (gemma3_torch.backend, mlx.backend):
+                row = backend.forward(context, backend.new_cache())[-1]
+                assert abs(float(row[mine[parted]]) - float(row[other[parted]])) < near_tie, (text, parted)
     counting = gemma3_torch.generate(gemma3_torch.tokenizer.encode("1, 2, 3, 4, 5, 6,"), config)
     assert counting.text.startswith(" 7, 8"), counting.text  # and the model they agree on is sane
 

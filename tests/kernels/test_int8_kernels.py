@@ -119,13 +119,16 @@ def test_the_fused_c_linear_gives_the_three_calls_bits(threads, monkeypatch):
 
 
 def test_int8_weights_track_the_float_layer():
-    """Quantization error is small: this is the same layer, not another function."""
+    """Quantization error is small: this is the same layer, not another function. (These rows have
+    outliers 150x their mean: a block holding one keeps 8 significant bits of it, and its other
+    values lose most of theirs, ~2.5% of the largest output here; the model-level measure is
+    `bench quality`'s perplexity.)"""
     k, n = 577, 129
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(3))
     x = torch.from_numpy(activations(k, 3))
     exact = x @ w.T
     approx = int8_linear.linear(x, int8_linear.quantize_weight(w))
-    assert float((approx - exact).abs().max()) < 0.02 * float(exact.abs().max())
+    assert float((approx - exact).abs().max()) < 0.03 * float(exact.abs().max())
 
 
 MLX_CHECK = """
@@ -160,3 +163,44 @@ def test_mlx_int8_linear_is_row_exact(threads):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["failures"] == [None] * len(SHAPES), result
     assert result["compiled_equals_plain"] == [True, True], result
+
+
+def test_activation_blocks_keep_eight_significant_bits():
+    """Each block of EXP_BLOCK of a row's 16-bit integers is an int8 mantissa times 2^e, e the
+    smallest that holds the block's largest value, rounded half to even: small blocks keep every
+    bit, a block with an outlier keeps 8 of them (what the block kernel multiplies)."""
+    q = torch.tensor([[3.0, -127.0, 128.0, 255.0, 32512.0, -20000.0, 0.0, 6.0] * 16])  # K = 128: two blocks
+    q[0, 64:] = torch.tensor([3.0, -127.0, 100.0, 5.0] * 16)  # the second block fits in 8 bits
+    rounded = int8_linear.block_round(q)
+    first, second = rounded[0, :64], rounded[0, 64:]
+    assert torch.equal(second, q[0, 64:].to(torch.int32))  # e = 0: unchanged
+    assert torch.all(first % 256 == 0) and int(first.abs().max()) == 32512  # e = 8
+    assert first[:8].tolist() == [0, 0, 0, 256, 32512, -19968, 0, 0]  # 255/256 rounds to 1, 128/256 to even 0
+    mantissas = first // 256
+    assert int(mantissas.abs().max()) <= int8_linear.MANTISSA_LEVELS
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_block_kernel_gives_the_halves_integers(threads):
+    """Where the AVX-512 block kernel runs (one vpdpbusd pass over the block mantissas), the same
+    bits as the two halves' pass on the same weight, at every row count and odd shapes (partial
+    last blocks of k, partial blocks of channels): the same exact integers, combined once."""
+    if not int8_gemm.available() or not int8_gemm.block_kernel_runs(16, 577):
+        pytest.skip("no AVX-512 VNNI block kernel here")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for index, (k, n) in enumerate([*SHAPES, (576, 3072), (1536, 576)]):
+            weight = int8_linear.quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(index)))
+            int8_linear.pack(weight)
+            x = torch.from_numpy(np.concatenate([activations(k, index + 40), activations(k, index + 41)]))
+            bias = torch.randn(n, generator=torch.Generator().manual_seed(9))
+            for m in (4, 5, 7, 13, 17, 32):
+                assert int8_gemm.block_kernel_runs(m, k)
+                blocks = int8_linear.linear(x[:m], weight, bias)
+                sums, weight.packed.chunk_sums = weight.packed.chunk_sums, None  # the halves' pass
+                halves = int8_linear.linear(x[:m], weight, bias)
+                weight.packed.chunk_sums = sums
+                assert torch.equal(blocks, halves), (k, n, m, threads)
+    finally:
+        torch.set_num_threads(before)
