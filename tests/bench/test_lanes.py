@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from agentfold.bench.lanes import SCHEMA
+from agentfold.bench.lanes import SCHEMA, merge_rounds
 from agentfold.bench.session_pool import MAX_SESSIONS, MIX, SESSIONS, session_prompts
 from agentfold.cli import main
 from tests.helpers.backends import real_model_backend
@@ -55,6 +55,27 @@ def test_impossible_settings_are_one_readable_error(tmp_path, capsys):
     assert main(["bench", "lanes", "--sessions", "33", "--out", str(tmp_path / "x.json")]) == 2
     assert "between 1 and 32" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_level_run_twice_rates_over_both_runs():
+    """`--rounds 2`: a level's rate is its tokens over its seconds summed over the runs (not a mean
+    of rates), its checks add up, its worst ITL is the worst run's, and each run stays visible."""
+    def run(seconds: float, steady: float, p99: float, checked: int, equal: int) -> dict:
+        return {"completion_tokens": 1000, "seconds": seconds, "turns": 8, "steady_tokens": 800,
+                "steady_seconds": steady, "steady_tps": 800 / steady, "aggregate_tps": 1000 / seconds,
+                "drafted": 10, "accepted": 7, "tokens_per_pass": 1.5, "itl_p99_ms": {"0": p99, "1": 2.0},
+                "itl_p99_ms_max": p99, "reference": False, "equal_to_solo": {"checked": checked, "equal": equal},
+                "mismatches": [{"index": 3}] if equal < checked else [], "per_session": ["first"],
+                "lane_stats": {"pass_ms": 30.0, "replies_per_pass": 6.0}}
+
+    one = run(10.0, 8.0, 5.0, 8, 8)
+    assert merge_rounds([one]) is one
+    merged = merge_rounds([one, run(15.0, 12.0, 9.0, 8, 7)])
+    assert merged["completion_tokens"] == 2000 and merged["seconds"] == 25.0 and merged["aggregate_tps"] == 80.0
+    assert merged["steady_tps"] == 80.0 and merged["turns"] == 16 and merged["drafted"] == 20
+    assert merged["itl_p99_ms"] == {"0": 9.0, "1": 2.0} and merged["itl_p99_ms_max"] == 9.0
+    assert merged["equal_to_solo"] == {"checked": 16, "equal": 15} and merged["mismatches"] == [{"index": 3}]
+    assert [r["aggregate_tps"] for r in merged["rounds"]] == [100.0, 1000 / 15] and merged["per_session"] == ["first"]
 
 
 @pytest.mark.slow
