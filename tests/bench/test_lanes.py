@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from agentfold.bench.lanes import SCHEMA, merge_rounds
+from agentfold.bench.lane_figures import merge_rounds
+from agentfold.bench.lanes import SCHEMA
 from agentfold.bench.session_pool import MAX_SESSIONS, MIX, SESSIONS, session_prompts
 from agentfold.cli import main
 from tests.helpers.backends import real_model_backend
