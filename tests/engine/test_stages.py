@@ -294,8 +294,9 @@ def test_smollm2_two_stages_equal_one_process(smollm2_gguf, tmp_path):
 
     one = TorchBackend(load_torch_model(smollm2_gguf, device="cpu"))
     tokenizer = one.loaded.tokenizer
-    prompt = chat_ids(tokenizer, "Rename x to value: def f(x):\n    return x * x + x") + \
-        tokenizer.encode("```python\ndef f(value):\n", add_special_tokens=False)
+    # a reply that re-emits the prompt's code, so that the suffix drafter has something to draft
+    prompt = chat_ids(tokenizer, "Copy this code exactly:\n\ndef area(width, height):\n    return width * height\n") + \
+        tokenizer.encode("```python\ndef area(", add_special_tokens=False)
     with pipeline(smollm2_gguf, tmp_path / "stage-dirs") as (backend, _):
         ours, theirs = backend.new_cache(), one.new_cache()
         backend.prefill(prompt, ours)
