@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agentfold.bench.harness import BenchError
-from agentfold.bench.lane_figures import level_row, merge_rounds
+from agentfold.bench.lane_figures import _r, level_row, merge_rounds
 from agentfold.bench.machine import finish_run, loadavg, machine_info, run_header, thread_info, utc_timestamp
 from agentfold.bench.prompts import WARMUP_PROMPT, encode_chat
 from agentfold.bench.session_pool import (
@@ -73,10 +73,6 @@ def _result(runtime: Any, turn: Any, session: dict[str, Any]) -> Any:
                                  f"{RESULT_TIMEOUT_S}s") from None
         except Exception as error:
             raise BenchError(f"lanes: session {session['index']} ({session['name']}) failed: {error!r}") from error
-
-
-def _r(value: float | None, digits: int = 3) -> float | None:
-    return None if value is None else round(float(value), digits)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:  # a / b, None where either is missing or 0
