@@ -14,7 +14,11 @@ from typing import Any
 from agentfold.bench.harness import BenchError
 from agentfold.bench.workloads import FRESH_CODE_TASKS, STORY_TOPICS, pick_windows
 
-SESSIONS = 16  # the pool every level serves
+# The pool every level serves: four sessions per client at 8 clients. With 16 (two per client) the
+# pool's drain, its last sessions served by fewer than 8 clients, took ~30% of the 8-client level's
+# time (a 2-core Zen 4, 2026-12-03: the first client found the pool empty at 10.3 s of 14.4 s), so
+# the level's rate said as much about the pool's size as about 8 clients at once.
+SESSIONS = 32
 QUICK_SESSIONS = 4
 QUICK_LINES = 24  # --quick: code-edit windows cut to this many lines around the renamed function
 # Any prefix of the pool has the story (a sampled session) second.

@@ -50,7 +50,7 @@ def add_parser(sub: Any) -> None:
     lanes.add_argument("--clients", help="concurrent client levels, comma-separated, at most the sessions (default "
                        "1,2,4,8; --quick: 1,2; 1 always runs: it is the solo reference)")
     lanes.add_argument("--max-tokens", type=int, default=128, help="reply tokens per client (--quick: at most 32)")
-    lanes.add_argument("--sessions", type=int, help="agent sessions in the pool every level serves (default 16; "
+    lanes.add_argument("--sessions", type=int, help="agent sessions in the pool every level serves (default 32; "
                        "--quick: 4; at most 32)")
     lanes.add_argument("--turns", type=int, default=2, help="turns per session: the task, then follow-ups (default 2)")
     lanes.add_argument("--rounds", type=int, help="runs of every level, levels up then down (default 2: "

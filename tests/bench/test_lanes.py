@@ -51,8 +51,10 @@ def test_a_pool_of_distinct_agent_sessions_the_stories_sampled():
 
 
 def test_impossible_settings_are_one_readable_error(tmp_path, capsys):
-    assert main(["bench", "lanes", "--clients", "1,17", "--out", str(tmp_path / "x.json")]) == 2
-    assert "between 1 and 16" in capsys.readouterr().err
+    assert main(["bench", "lanes", "--clients", "1,33", "--out", str(tmp_path / "x.json")]) == 2  # > the 32 sessions
+    assert "between 1 and 32" in capsys.readouterr().err
+    assert main(["bench", "lanes", "--clients", "1,5", "--sessions", "4", "--out", str(tmp_path / "x.json")]) == 2
+    assert "between 1 and 4" in capsys.readouterr().err
     assert main(["bench", "lanes", "--sessions", "33", "--out", str(tmp_path / "x.json")]) == 2
     assert "between 1 and 32" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
