@@ -250,8 +250,7 @@ static inline __attribute__((always_inline)) void tile(const int NB, const int M
 typedef struct {
     const uint8_t *exps;        /* the tile's first row's exponents; row i at exps + i * chunks */
     int64_t chunks;             /* exponent blocks per row */
-    const int32_t *chunk_sums;  /* [chunks][npad]: each channel's weight sum over each block */
-    int64_t npad;
+    const int32_t *chunk_sums;  /* [chunks][round_up(n, 16)]: each channel's weight sum over each block */
     int32_t *low;               /* the second sums, laid out as c */
 } block_sums;
 
@@ -309,7 +308,7 @@ static void run_exponent_blocks(int nb, int mr, int pf, const uint8_t *au, int64
     if (n0 + nb * BLOCK > n) memset(raw, 0, sizeof raw); /* `tile` stores no channel past n */
     int32_t *low = blocks->low + r0 * ldc;
     const uint8_t *ex = blocks->exps + r0 * blocks->chunks;
-    const int64_t groups = kp / GROUP;
+    const int64_t groups = kp / GROUP, npad = round_up(n, BLOCK);
     for (int i = 0; i < mr; i++) {
         memset(c + i * ldc + n0, 0, sizeof(int32_t) * (size_t)(nb * BLOCK));
         memset(low + i * ldc + n0, 0, sizeof(int32_t) * (size_t)(nb * BLOCK));
@@ -319,7 +318,7 @@ static void run_exponent_blocks(int nb, int mr, int pf, const uint8_t *au, int64
         int64_t g0 = chunk * CHUNK_GROUPS, count = groups - g0 < CHUNK_GROUPS ? groups - g0 : CHUNK_GROUPS;
         next_share part = next;
         if (part.at) part.at += chunk * lines * (BLOCK * GROUP);
-        dispatch(nb, mr, pf, au + g0 * GROUP, kp, wb + g0 * (BLOCK * GROUP), blocks->chunk_sums + chunk * blocks->npad,
+        dispatch(nb, mr, pf, au + g0 * GROUP, kp, wb + g0 * (BLOCK * GROUP), blocks->chunk_sums + chunk * npad,
                  raw - n0, PANEL * BLOCK, n0, n, part, count);
         flush_sums(nb, mr, raw, ex + chunk, blocks->chunks, c, low, ldc, n0);
     }
@@ -702,8 +701,7 @@ static void linear_share(void *context, int64_t t) {
         int32_t *c = tile - b0 * BLOCK; /* column b * 16 of the chunk lands at tile + (b - b0) * 16 */
 #if ISA == 2
         if (job->exps) {
-            block_sums bs = {job->exps, (kp + EXP_BLOCK - 1) / EXP_BLOCK, job->chunk_sums, round_up(n, BLOCK),
-                             c + rows * ldc};
+            block_sums bs = {job->exps, (kp + EXP_BLOCK - 1) / EXP_BLOCK, job->chunk_sums, c + rows * ldc};
             run_blocks(buf, m, kp, packed, colsums, n, c, ldc, b0, b1, &bs);
             unit = CHUNK_UNIT;
         } else
@@ -748,18 +746,18 @@ int int8_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const int8_t 
     int64_t gemm_rows = blocked ? m : halves;
     if (threads < 1 || nblocks * BLOCK * kp < SMALL_WEIGHT) threads = 1;
     if (threads > nblocks) threads = (int)nblocks;
-    int8_t *a = malloc((size_t)(halves * (k > 0 ? k : 1)));
+    int8_t *a = blocked ? NULL : malloc((size_t)(halves * (k > 0 ? k : 1))); /* the halves, where they run */
     int8_t *mantissas = blocked ? malloc((size_t)(m * k)) : NULL;
     uint8_t *exps = blocked ? malloc((size_t)(m * chunks)) : NULL;
     float *row_scales = malloc(sizeof(float) * (size_t)m);
     /* 64-byte aligned: the block kernel adds whole vectors into these sums every block of k */
     int32_t *tiles = aligned_alloc(64, sizeof(int32_t) * (size_t)(threads * halves * LINEAR_CHUNK * BLOCK));
     act_t *bufs = ISA != 0 ? malloc((size_t)(threads * buffer_rows(gemm_rows, kp) * kp) * sizeof(act_t)) : NULL;
-    int failed = !a || !row_scales || !tiles || (ISA != 0 && !bufs) || (blocked && (!mantissas || !exps));
+    int failed = !row_scales || !tiles || (ISA != 0 && !bufs) || (blocked ? !mantissas || !exps : !a);
     if (!failed) {
         for (int64_t i = 0; i < m; i++)
-            row_scales[i] = quantize_one(x + i * ldx, k, a + i * k, a + (m + i) * k, blocked ? mantissas + i * k : NULL,
-                                         blocked ? exps + i * chunks : NULL);
+            row_scales[i] = blocked ? quantize_one(x + i * ldx, k, NULL, NULL, mantissas + i * k, exps + i * chunks)
+                                    : quantize_one(x + i * ldx, k, a + i * k, a + (m + i) * k, NULL, NULL);
         struct linear_job job = {{blocked ? mantissas : a, gemm_rows, k, k, kp, packed, colsums, n, NULL,
                                   LINEAR_CHUNK * BLOCK, threads, nblocks, bufs},
                                  row_scales, weight_scales, bias, out, tiles, exps, chunk_sums};

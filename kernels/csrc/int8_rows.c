@@ -25,7 +25,7 @@ struct quantize_job {
 /* One row: its scale (max |x| / ACT_LEVELS, 1 for a zero row) and its 16-bit integers as int8
  * halves hi, lo (q = 256 hi + lo), each EXP_BLOCK-wide block of them rounded to 8 significant bits
  * (see int8_rows.h); with `mantissas` and `exps` (both or neither), the blocks' int8 mantissas and
- * exponents too. Shared with int8_gemm.c's fused linear (int8_rows.h). */
+ * exponents too, and then hi and lo may be NULL (the block kernel reads only the blocks). Shared with int8_gemm.c's fused linear (int8_rows.h). */
 float quantize_one(const float *row, int64_t k, int8_t *hi, int8_t *lo, int8_t *mantissas, uint8_t *exps) {
     /* The largest |x| (NaN never taken: x > amax is false). A maximum does not depend on the
      * order it is taken in, so 16 running maxima and then their maximum give the scalar loop's
@@ -60,10 +60,12 @@ float quantize_one(const float *row, int64_t k, int8_t *hi, int8_t *lo, int8_t *
         for (int64_t j = b0; j < b1; j++) {
             /* q / 2^e is exact in float (|q| < 2^15), rounded half to even as torch.round does */
             int32_t mantissa = (int32_t)nearbyintf((float)q[j - b0] / (float)(1 << e));
-            int32_t qi = mantissa * (1 << e);
-            int32_t h = (qi + HALF / 2) >> 8; /* floor division by 256 (arithmetic shift) */
-            hi[j] = (int8_t)h;
-            lo[j] = (int8_t)(qi - h * HALF);
+            if (hi) {
+                int32_t qi = mantissa * (1 << e);
+                int32_t h = (qi + HALF / 2) >> 8; /* floor division by 256 (arithmetic shift) */
+                hi[j] = (int8_t)h;
+                lo[j] = (int8_t)(qi - h * HALF);
+            }
             if (mantissas) mantissas[j] = (int8_t)mantissa;
         }
     }

@@ -17,7 +17,7 @@
 #define CHUNK_UNIT 16 /* the block kernel's sums: unit * (blocks with e >= 4) + (blocks with e < 4) */
 
 /* One row's scale, and its 16-bit integers as int8 halves hi, lo (q = 256 hi + lo); with
- * mantissas and exps (else NULL), each block's int8 mantissas and exponent. */
+ * mantissas and exps (else NULL), each block's int8 mantissas and exponent (hi, lo then may be NULL). */
 float quantize_one(const float *row, int64_t k, int8_t *hi, int8_t *lo, int8_t *mantissas, uint8_t *exps);
 
 /* Columns from..to-1 of one row: y = float(unit * hi + lo) * row_scale * weight_scale (+ bias). */
