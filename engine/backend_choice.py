@@ -35,13 +35,35 @@ def cpu_model() -> str:
 
 
 def candidates(device: str) -> list[str]:
-    """Backends that can run here on `device`, most likely winner first."""
+    """Backends that can run here on `device`, most likely winner first.
+
+    On a CPU other than Apple's, torch with the kernels' C library is the only candidate: its
+    int8 GEMM and row kernels have no MLX counterpart (MLX's CPU path multiplies the same
+    integers as float32 matrices), and measuring MLX cost minutes for nothing (Qwen2.5-Coder-1.5B
+    on a 2-core AMD EPYC: 29 s to load and a self-check, to find ~2.2 tok/s against torch's
+    ~11.9). Without a C compiler both are measured."""
     torch_ok = _importable("torch")
     if device == "cuda" or (device == "auto" and torch_ok and _cuda_visible()):
         return ["torch"]
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         return ["mlx"]  # Metal
+    if torch_ok and torch_kernels_built():
+        return ["torch"]
     return ["torch", "mlx"] if torch_ok else ["mlx"]
+
+
+def why_only(name: str, device: str) -> str:
+    """Why `candidates(device)` holds only `name`, for the start-up line."""
+    if name == "torch" and device != "cuda" and not (device == "auto" and _cuda_visible()):
+        return "its C kernels run here, MLX's CPU path has none; nothing to measure"
+    return "the only backend for this device"
+
+
+def torch_kernels_built() -> bool:
+    """Whether the torch CPU backend runs on the kernels' C library here (built, or buildable)."""
+    from agentfold.kernels import native
+
+    return native.expected()
 
 
 def expected_rate(report: ExactnessReport, acceptance: float = TYPICAL_ACCEPTANCE) -> float:

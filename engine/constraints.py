@@ -1,9 +1,10 @@
 """Grammar-constrained decoding (llguidance) that keeps drafting exact.
 
-A constraint masks each row's logits with the tokens its grammar allows after everything
-committed so far. The decode loop advances it only with tokens it commits, in order, and row
-j + 1 is read only when draft j was accepted, so row j's mask is computed from exactly the state
-serial decoding has at that position: the same mask on serial and verify rows, the same bytes.
+A constraint chooses each row's token among those its grammar allows after everything committed
+so far (`GrammarConstraint`: every row masked; `engine.lazy_calls`: only where a tool call has
+started). The decode loop advances it only with tokens it commits, in order, and row j + 1 is
+read only when draft j was accepted, so row j's choice is made from exactly the state serial
+decoding has at that position: the same choice on serial and verify rows, the same bytes.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from agentfold.engine.sampler import SamplingParams, choose
+
 
 class Constraint(Protocol):
-    def mask(self, logits: np.ndarray) -> np.ndarray: ...
+    """What the decode loop needs of a constraint: a row's token, and the committed token."""
+
+    def choose(self, row: np.ndarray, position: int, params: SamplingParams) -> int: ...
 
     def advance(self, token: int) -> None: ...
 
@@ -28,20 +33,28 @@ class GrammarConstraint:
     def __init__(self, tokenizer: Any, grammar: str) -> None:
         import llguidance
 
-        self.matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), grammar)
+        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar)
         if self.matcher.is_error():
             raise ValueError(f"invalid grammar: {self.matcher.get_error()}")
 
-    def allowed(self, vocab_size: int) -> np.ndarray:
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little").astype(bool)
+    @staticmethod
+    def bits(matcher: Any, vocab_size: int) -> np.ndarray:
+        """The tokens `matcher` allows next, as a boolean array of `vocab_size`."""
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little").view(bool)  # 0 / 1 bytes: a view, no copy
         if allowed.shape[0] < vocab_size:
             allowed = np.concatenate([allowed, np.zeros(vocab_size - allowed.shape[0], dtype=bool)])
         return allowed[:vocab_size]
 
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        return self.bits(self.matcher, vocab_size)
+
     def mask(self, logits: np.ndarray) -> np.ndarray:
-        masked = np.where(self.allowed(logits.shape[0]), logits, np.float32(-np.inf)).astype(logits.dtype)
-        return masked
+        return np.where(self.allowed(logits.shape[0]), logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
+
+    def choose(self, row: np.ndarray, position: int, params: SamplingParams) -> int:
+        """The sampler's choice among the tokens the grammar allows."""
+        return choose(self.mask(row), position, params)
 
     def advance(self, token: int) -> None:
         self.matcher.consume_token(int(token))
@@ -58,7 +71,7 @@ def _cached_ll_tokenizer(tokenizer_id: int, tokenizer: Any) -> Any:
     return llguidance.hf.from_tokenizer(tokenizer)
 
 
-def _ll_tokenizer(tokenizer: Any) -> Any:
+def ll_tokenizer(tokenizer: Any) -> Any:
     """Building llguidance's tokenizer costs about a second: once per tokenizer."""
     return _cached_ll_tokenizer(id(tokenizer), tokenizer)
 

@@ -11,18 +11,22 @@ proposed: drafting changes how many passes a reply takes, never the reply.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentfold.engine.constraints import GrammarConstraint
+from agentfold.engine.constraints import Constraint, GrammarConstraint
 from agentfold.engine.depth import DepthController, DraftOdds
 from agentfold.engine.detokenizer import Detokenizer, find_stop, held_back
 from agentfold.engine.drafters import Drafter
+from agentfold.engine.lazy_calls import LazyCallConstraint, is_lazy
 from agentfold.engine.protocol import Backend, CacheState, Checkpoint
 from agentfold.engine.sampler import SamplingParams, TokenLogprob, choose, token_logprob
 from agentfold.engine.selfcheck import ExactnessReport
+
+log = logging.getLogger(__name__)
 
 PrefillObserver = Callable[[CacheState], None]
 
@@ -48,7 +52,7 @@ class GenerationConfig:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     draft: bool = True
-    grammar: str | None = None  # llguidance (Lark) grammar every row is masked with
+    grammar: str | None = None  # llguidance (Lark) grammar every row follows (a lazy one: engine.lazy_calls)
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its row's N most likely
 
     def __post_init__(self) -> None:
@@ -285,7 +289,7 @@ class Engine:
         fork = getattr(self.drafter, "fork", None)
         reply = _Reply(history=list(prompt), detok=Detokenizer(self.tokenizer),
                        drafter=(fork() if fork is not None else self.drafter) if drafting else None,  # per-reply state
-                       constraint=GrammarConstraint(self.tokenizer, config.grammar) if config.grammar else None,
+                       constraint=self.constraint(config.grammar),
                        odds=self.controller.start())
         while reply.finish is None:
             drafts, draft_seconds = self._propose(reply, config)
@@ -304,6 +308,18 @@ class Engine:
             stats.offload = offload.report(offload_mark)
         return Completion(reply.emitted, reply.detok.text, reply.finish, stats,
                           reply.logprobs if config.logprobs is not None else None)
+
+    def constraint(self, grammar: str | None) -> Constraint | None:
+        """A reply's grammar: a lazy tool-call grammar (`engine.lazy_calls`) or one every row follows."""
+        if not grammar:
+            return None
+        if is_lazy(grammar):
+            try:
+                return LazyCallConstraint(self.tokenizer, grammar, self.eos_token_ids)
+            except ValueError as error:  # an aid, not a contract: the reply is then free (calls still parsed)
+                log.warning("tool-call grammar dropped: %s", str(error).splitlines()[0][:300])
+                return None
+        return GrammarConstraint(self.tokenizer, grammar)
 
     def _prefill(self, prompt: Sequence[int], cache: CacheState, cuts: Sequence[int],
                  on_prefill: PrefillObserver | None, stats: DecodeStats,
@@ -383,7 +399,7 @@ class Engine:
         return committed[:kept]
 
     def _verify(self, logits, drafts: list[int], base: int, params: SamplingParams,
-                constraint: GrammarConstraint | None, stats: DecodeStats) -> list[int]:
+                constraint: Constraint | None, stats: DecodeStats) -> list[int]:
         """The target's own choice for each row, up to and including the first that is not its draft.
 
         Row j chooses the token at absolute position base + j + 1; row j + 1 is only read when
@@ -391,9 +407,10 @@ class Engine:
         """
         committed: list[int] = []
         for j in range(len(drafts) + 1):
-            row = constraint.mask(logits[j]) if constraint is not None else logits[j]
-            token = choose(row, base + j + 1, params)
-            if constraint is not None:
+            if constraint is None:
+                token = choose(logits[j], base + j + 1, params)
+            else:  # its state after the committed tokens before row j: as serial decoding has it
+                token = constraint.choose(logits[j], base + j + 1, params)
                 constraint.advance(token)
             committed.append(token)
             if j == len(drafts):
@@ -413,7 +430,7 @@ class _Reply:
     history: list[int]
     detok: Detokenizer
     drafter: Drafter | None
-    constraint: GrammarConstraint | None
+    constraint: Constraint | None
     odds: DraftOdds  # its drafts' acceptance, from `DepthController.start` (replies differ)
     emitted: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per emitted token, when the config asks

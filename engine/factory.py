@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING
 from agentfold.engine import backend_choice
 from agentfold.engine.decode import Engine
 from agentfold.engine.drafters import DraftModelDrafter, SuffixLookupDrafter
-from agentfold.engine.mlx.backend import MLXBackend
-from agentfold.engine.mlx.loader import LoadedModel, load_model
-from agentfold.engine.selfcheck import check_row_exactness
+from agentfold.engine.mlx.loader import LoadedModel
+from agentfold.engine.selfcheck import remembered_check
 
 if TYPE_CHECKING:  # imports torch
     from agentfold.engine.mlx.stages import MLXStageOptions
@@ -24,13 +23,17 @@ BACKENDS = ("auto", "mlx", "torch")
 QUANTS = ("auto", "int8", "none")
 
 
-def _loader(backend: str, dtype: str | None, device: str,
-            say: Callable[[str], None]) -> tuple[Callable[[str | Path | LoadedModel], LoadedModel], type]:
-    """How to load a model for `backend`, and the backend class that runs it."""
+def _loader(backend: str, dtype: str | None, device: str, say: Callable[[str], None],
+            int8: bool = False) -> tuple[Callable[[str | Path | LoadedModel], LoadedModel], type]:
+    """How to load a model for `backend`, and the backend class that runs it (`int8`: a torch CPU
+    model quantized at load, through the converted-weights cache)."""
     if backend == "mlx":
         if device not in ("auto", "cpu"):
             raise ValueError(f"--device {device}: the mlx backend runs on this machine's MLX device; "
                              "use --backend torch for CUDA")
+        from agentfold.engine.mlx.backend import MLXBackend  # (imports mlx-lm: ~1 s a torch start need not pay)
+        from agentfold.engine.mlx.loader import load_model
+
         chosen = dtype or "float32"
         return (lambda m: m if isinstance(m, LoadedModel) else load_model(m, chosen, say)), MLXBackend
     if backend == "torch":
@@ -40,7 +43,7 @@ def _loader(backend: str, dtype: str | None, device: str,
         except ImportError as error:
             raise ValueError(f"the torch backend needs PyTorch ({error}): pip install 'agentfold[torch]'") from None
         chosen = dtype or "auto"
-        return (lambda m: m if isinstance(m, LoadedModel) else load_torch_model(m, chosen, device, say)), TorchBackend
+        return (lambda m: m if isinstance(m, LoadedModel) else load_torch_model(m, chosen, device, say, int8)), TorchBackend
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
 
 
@@ -68,7 +71,8 @@ def build_engine(
     to be). `dtype` None: float32, except bfloat16 for torch on CUDA. The self-check caps verify
     passes at the widest row-exact width (drafting off if none). `stages`: a
     `torch.stages.StageOptions` or `mlx.stages.MLXStageOptions` to split the model by layers over
-    processes (on that backend).
+    processes (on that backend). With `verdicts`, a self-check of kernels exact by construction is
+    remembered next to it (`selfcheck.remembered_check`) and not run again for the same weights.
     """
     say = progress or (lambda message: None)
     if quant not in QUANTS:
@@ -80,7 +84,7 @@ def build_engine(
         backend = wanted
     if backend == "auto":
         return _build_auto(model, dtype, drafter, draft_model, max_width, self_check, say, device, quant, verdicts)
-    load, backend_class = _loader(backend, dtype, device, say)
+    load, backend_class = _loader(backend, dtype, device, say, int8=stages is None and quant in ("auto", "int8"))
     loaded = load(model)
     if stages is not None and backend == "mlx":
         from agentfold.engine.mlx.stages import MLXStagedBackend
@@ -106,8 +110,10 @@ def build_engine(
     report = None
     if self_check and chosen is not None:
         say("checking row-exactness of verify passes")
-        report = check_row_exactness(target, max_width=max_width)
-        say(report.describe())
+        store = verdicts.parent / "selfchecks.json" if verdicts is not None else None
+        report, remembered = remembered_check(target, max_width, store)
+        say(report.describe() + (" (remembered: the same weights, kernels and CPU were checked before)"
+                                 if remembered else ""))
     return Engine(target, loaded.tokenizer, loaded.eos_token_ids, drafter=chosen, exactness=report)
 
 
@@ -120,10 +126,10 @@ def _build_auto(model: str | Path | LoadedModel, dtype: str | None, drafter: str
         raise ValueError("backend auto needs a model path (a loaded model already belongs to one backend)")
     names = backend_choice.candidates(device)
     common = {"dtype": dtype, "drafter": drafter, "draft_model": draft_model, "max_width": max_width,
-              "self_check": self_check, "progress": say, "device": device, "quant": quant}
+              "self_check": self_check, "progress": say, "device": device, "quant": quant, "verdicts": verdicts}
     if len(names) == 1 or not self_check or drafter == "none":
         say(f"backend auto -> {names[0]} (preferred here; nothing to measure)" if len(names) > 1
-            else f"backend auto -> {names[0]} (the only backend for this device)")
+            else f"backend auto -> {names[0]} ({backend_choice.why_only(names[0], device)})")
         return build_engine(model, backend=names[0], **common)
     key = backend_choice.verdict_key(Path(model), device, quant)
     known = backend_choice.recall(verdicts, key)

@@ -9,14 +9,21 @@ The timings of these passes seed the depth controller's cost model.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from agentfold.engine.protocol import Backend, CacheState, Checkpoint
 
 LANE_WIDTH = 64  # the widest shared pass checked: the row-exact kernels' per-row limit (kernels.*.PER_ROW_LIMIT)
+CHECK_VERSION = 1  # bump when what the check runs changes (remembered reports are keyed by it)
 
 
 @dataclass
@@ -155,3 +162,65 @@ def _lanes_exact(backend: Backend, cache: CacheState, base: Checkpoint, serial: 
         backend.rollback(other, mark, 0)
     return all(np.array_equal(got[j], want[j]) for got, want in zip(outputs, expected, strict=True)
                for j in range(len(want)))
+
+
+def remembered_check(backend: Backend, max_width: int, store: Path | None) -> tuple[ExactnessReport, bool]:
+    """`check_row_exactness`, or the report it gave before for the same weights, kernels and machine;
+    and whether it was remembered.
+
+    Only backends whose every kernel is row-exact by its arithmetic (`prefill_rows_exact`: integer
+    linear layers, fixed per-row chains) are remembered: there the check is a guard against a
+    build that breaks the construction, and the same weights through the same library on the same
+    CPU and thread count give the same bits again. On a 1.5B model it is ~25 s of every start on
+    2 cores. Where exactness is an accident of a vendor kernel (float BLAS), it runs every time.
+    """
+    key = _memo_key(backend, max_width) if store is not None and getattr(backend, "prefill_rows_exact", False) else None
+    known = _read_memo(store).get(key) if key else None
+    if known is not None:
+        try:
+            return _report_from_json(known), True
+        except (TypeError, ValueError, KeyError):
+            pass
+    report = check_row_exactness(backend, max_width=max_width)
+    if key:
+        _write_memo(store, key, asdict(report))
+    return report, False
+
+
+def _memo_key(backend: Backend, max_width: int) -> str | None:
+    loaded = getattr(backend, "loaded", None)
+    describe = getattr(backend, "describe", None)
+    if loaded is None or describe is None:
+        return None
+    from agentfold.engine.backend_choice import cpu_model
+    from agentfold.kernels import native
+
+    parts = {"weights": loaded.fingerprint, "kernels": describe(), "library": native.identity(), "cpu": cpu_model(),
+             "cpus": os.cpu_count(),
+             "max_width": max_width, "lane_width": LANE_WIDTH, "check": CHECK_VERSION}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _report_from_json(value: dict[str, Any]) -> ExactnessReport:
+    ints = {name: {int(k): v for k, v in value[name].items()} for name in ("checked", "max_abs_diff", "pass_seconds")}
+    return ExactnessReport(**{**value, **ints})
+
+
+def _read_memo(store: Path | None) -> dict[str, Any]:
+    try:
+        value = json.loads(store.read_text()) if store is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write_memo(store: Path, key: str, report: dict[str, Any]) -> None:
+    known = _read_memo(store)
+    known[key] = report
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=store.parent, suffix=".tmp", delete=False) as staging:
+            staging.write(json.dumps(known, indent=1, sort_keys=True) + "\n")
+        os.replace(staging.name, store)
+    except OSError:
+        pass  # the next start checks again

@@ -83,6 +83,18 @@ def build(extra: Sequence[str] = (), folder: Path | None = None) -> Path | None:
     return target
 
 
+def identity() -> str:
+    """The built library's file name (keyed by the sources, compiler, flags and CPU), or "none":
+    what a remembered measurement of these kernels must match."""
+    if not _IDENTITY:
+        built = build() if os.environ.get("AGENTFOLD_NATIVE", "1") != "0" else None
+        _IDENTITY.append(built.name if built is not None else "none")
+    return _IDENTITY[0]
+
+
+_IDENTITY: list[str] = []
+
+
 def expected() -> bool:
     """Whether the library should load here: a C compiler is found and AGENTFOLD_NATIVE=0 is not
     set. Where this is True and `load` still returns None, the build failed (the tests fail then,

@@ -14,14 +14,19 @@ names the field; each transport answers it in its own shape (the HTTP APIs as a 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from agentfold.chat.template import trailing_instruction
 from agentfold.chat.tools import ToolSpec
 from agentfold.engine.constraints import json_object_grammar, json_schema_grammar, tool_call_grammar
+from agentfold.engine.lazy_calls import is_lazy, lazy_tool_grammar
 from agentfold.engine.sampler import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class PlanError(ValueError):
@@ -32,6 +37,24 @@ class PlanError(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+class ContextOverflow(PlanError):
+    """A prompt that does not fit the context: `prompt_tokens` of a `limit`-token context, which
+    leaves a prompt at most `limit - 1` (the reply needs a token). Each API words it as its clients
+    parse it (Anthropic's `prompt is too long: N tokens > M maximum`, OpenAI's code)."""
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(f"This model's maximum context length is {limit} tokens, but the prompt is "
+                         f"{prompt_tokens} tokens. Shorten the messages.", param="messages",
+                         code="context_length_exceeded")
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+    @property
+    def anthropic_message(self) -> str:
+        """The message Claude Code matches (`/^prompt is too long: \\d+ tokens > \\d+ maximum$/`) to compact."""
+        return f"prompt is too long: {self.prompt_tokens} tokens > {self.limit - 1} maximum"
 
 
 def json_kind(value: Any) -> str:
@@ -118,11 +141,15 @@ def sampling(plan: ChatPlan) -> SamplingParams:
         raise PlanError(str(error)) from error
 
 
-def grammar_for(plan: ChatPlan) -> str | None:
-    """The grammar a reply must follow: forced tool calls, JSON output; None when free.
+def grammar_for(plan: ChatPlan, special_tags: frozenset[str] | None = frozenset()) -> str | None:
+    """The grammar a reply must follow: forced tool calls, JSON output, a call once one starts;
+    None when free.
 
-    The engine masks every row with it (serial and verify alike), so even a small model returns
-    a well-formed call, and drafting stays exact.
+    The engine masks rows with it (serial and verify alike), so even a small model returns a
+    well-formed call, and drafting stays exact. With `tool_choice` auto the grammar is lazy
+    (`engine.lazy_calls`): free text until the reply starts a call, the tools' schemas from there
+    to the call's end. `special_tags`: the call tags that are one special token in the tokenizer
+    (`engine.lazy_calls.special_tags`); None where the tokenizer cannot take a lazy grammar.
     """
     if plan.tools and (plan.tool_choice == "required" or isinstance(plan.tool_choice, dict)):
         tools = [{"name": t.name, "parameters": t.parameters} for t in plan.tools]
@@ -133,17 +160,33 @@ def grammar_for(plan: ChatPlan) -> str | None:
         return json_object_grammar()
     if fmt and fmt.get("type") == "json_schema":
         return json_schema_grammar((fmt.get("json_schema") or fmt).get("schema") or {"type": "object"})
+    if plan.tools and plan.tool_choice == "auto" and special_tags is not None:
+        return lazy_tool_grammar([{"name": t.name, "parameters": t.parameters} for t in plan.tools], special_tags)
     return None
 
 
-def checked_grammar(plan: ChatPlan) -> str | None:
-    """`grammar_for(plan)`, compiled once here so a bad schema is refused now, not a failed turn later."""
-    grammar = grammar_for(plan)
-    if grammar is None:
-        return None
+@lru_cache(maxsize=64)
+def _grammar_problem(grammar: str) -> str:
+    """llguidance's complaint about a grammar ('' when it compiles); a client resends the same
+    tools every turn, so each grammar is compiled here once."""
     import llguidance
 
-    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    return llguidance.LLMatcher.validate_grammar(grammar)
+
+
+def checked_grammar(plan: ChatPlan, special_tags: frozenset[str] | None = frozenset()) -> str | None:
+    """`grammar_for(plan)`, compiled once here so a bad schema is refused now, not a failed turn later.
+
+    A lazy grammar that does not compile (a tool schema llguidance cannot use) is dropped instead:
+    the reply is free, and calls are still read from its text (`chat.tool_calls`).
+    """
+    grammar = grammar_for(plan, special_tags)
+    if grammar is None:
+        return None
+    problem = _grammar_problem(grammar)
+    if problem and is_lazy(grammar):
+        log.warning("tool calls decoded without their grammar: %s", problem.strip().splitlines()[0][:300])
+        return None
     if problem:
         where = "tools" if plan.tools and plan.tool_choice not in ("auto", "none") else "response_format"
         reason = problem.strip().splitlines()[0].split(": ", 1)[-1]

@@ -1,16 +1,23 @@
 """Tool calls out of the model's text, incrementally: the same parser for streaming and whole replies.
 
-`ToolCallParser.feed` gives content text as soon as it cannot be the start of a `<tool_call>` tag,
-and each call once its block closes; `parse_output` is the one-shot form.
+`ToolCallParser.feed` gives content text as soon as it cannot be the start of a call, and each
+call once its text is complete; `parse_output` is the one-shot form. The forms a call may take
+(tagged, JSON, fenced, Python) are `chat.call_forms`; whether it names a declared tool with
+arguments that fit is `chat.call_check`.
 """
 
 from __future__ import annotations
 
-import json
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentfold.chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall
+from agentfold.chat.call_check import DeclaredTools
+from agentfold.chat.call_forms import NO, WAIT, Found, body_call, recognize
+from agentfold.chat.tools import ToolCall, ToolSpec
+
+_CANDIDATE = re.compile(r"[<`{]")  # where a call can start: a tag, a fence, a JSON object
 
 
 @dataclass
@@ -21,22 +28,26 @@ class TextPiece:
 
 
 class ToolCallParser:
-    """Splits model output into content text and `<tool_call>{json}</tool_call>` calls, incrementally.
+    """Splits model output into content text and tool calls, incrementally.
 
-    `feed(text)` returns the pieces that are settled: text that cannot be the start of a tag and
-    calls whose block closed. Text before the first call is the content; after a call, only
-    further calls count (several blocks = parallel calls). A block that does not parse as
-    `{"name": str, "arguments": object}` is given back as text. `prefix` is output the prompt
-    already forced (e.g. `<tool_call>\\n{"name": "`), parsed as if the model had written it.
+    `feed(text)` returns the pieces that are settled: text that cannot be (part of) a call and
+    calls whose text is complete. Text is held only from a point where a call may still start
+    (a `<tool_call>` tag or part of one, a ``` fence that may still be json or tool_code, a JSON
+    object that may still name a declared tool), and trailing whitespace, which is dropped when a
+    call follows. Text before the first call is the content; after a call, only further calls
+    count (several = parallel calls). `tools`: the declared tools, which the JSON and Python
+    forms must name and every call's arguments must fit; None takes any name, tagged calls only.
+    `prefix` is output the prompt already forced, parsed as if the model had written it.
     With `enabled=False` everything is text.
     """
 
-    def __init__(self, enabled: bool = True, prefix: str = "") -> None:
+    def __init__(self, enabled: bool = True, prefix: str = "", tools: Sequence[ToolSpec] | None = None) -> None:
         self.enabled = enabled
+        self.tools = DeclaredTools(tools)
         self.buffer = ""
-        self.in_call = False
         self.calls: list[ToolCall] = []
         self.content = ""
+        self._memo: dict[Any, Any] = {}  # scans of the candidate the buffer holds (call_forms.recognize)
         self._pending: list[TextPiece | ToolCall] = []
         self._pending = self.feed(prefix) if prefix else []
 
@@ -49,39 +60,46 @@ class ToolCallParser:
                 out.append(TextPiece(text))
             return out
         self.buffer += text
-        while True:
-            if self.in_call:
-                end = self.buffer.find(TOOL_CALL_CLOSE)
-                if end < 0:
-                    return out
-                body, self.buffer = self.buffer[:end], self.buffer[end + len(TOOL_CALL_CLOSE):]
-                self.in_call = False
-                out.extend(self._call_or_text(body))
-                continue
-            start = self.buffer.find(TOOL_CALL_OPEN)
-            if start >= 0:
-                out.extend(self._text(self.buffer[:start].rstrip()))
-                self.buffer = self.buffer[start + len(TOOL_CALL_OPEN):]
-                self.in_call = True
-                continue
-            keep = _partial_suffix(self.buffer, TOOL_CALL_OPEN)
-            settled = self.buffer[: len(self.buffer) - keep]
-            stripped = settled.rstrip()  # hold trailing whitespace: it may precede a call
-            out.extend(self._text(stripped))
-            self.buffer = self.buffer[len(stripped):]
-            return out
+        self._scan(out, final=False)
+        return out
 
     def finish(self) -> list[TextPiece | ToolCall]:
-        """Settle what is left: an unterminated block is a call if its JSON is complete."""
+        """Settle what is left: a candidate that can no longer grow is a call if complete, else text."""
         out = self.feed("")
-        if self.in_call:
-            self.in_call = False
-            body, self.buffer = self.buffer, ""
-            out.extend(self._call_or_text(body, unterminated=True))
-        elif self.buffer:
+        if self.enabled:
+            self._scan(out, final=True)
             out.extend(self._text(self.buffer))
-            self.buffer = ""
+            self._trim(len(self.buffer))
         return out
+
+    def _scan(self, out: list[TextPiece | ToolCall], final: bool) -> None:
+        """Settle the buffer up to the first candidate that must wait (all of it when `final`)."""
+        i = 0
+        while (match := _CANDIDATE.search(self.buffer, i)) is not None:
+            i = match.start()
+            answer = recognize(self.buffer, i, self.tools, final, self._memo)
+            if answer == NO:
+                i += 1
+                continue
+            settled = self.buffer[:i].rstrip()  # text right before a call loses its trailing space
+            out.extend(self._text(settled))
+            if answer == WAIT:
+                self._trim(len(settled))
+                return
+            assert isinstance(answer, Found)
+            self.calls.append(answer.call)
+            out.append(answer.call)
+            self._trim(answer.end)
+            i = 0
+        if not final:
+            settled = self.buffer.rstrip()  # hold trailing whitespace: it may precede a call
+            out.extend(self._text(settled))
+            self._trim(len(settled))
+
+    def _trim(self, size: int) -> None:
+        if size:
+            self.buffer = self.buffer[size:]
+            self._memo.clear()  # its positions were the old buffer's
 
     def _text(self, text: str) -> list[TextPiece]:
         if self.calls:  # after a call, stray text is not content
@@ -93,64 +111,17 @@ class ToolCallParser:
         self.content += text
         return [TextPiece(text)]
 
-    def _call_or_text(self, body: str, unterminated: bool = False) -> list[TextPiece | ToolCall]:
-        call = parse_tool_call(body)
-        if call is not None:
-            self.calls.append(call)
-            return [call]
-        raw = TOOL_CALL_OPEN + body + ("" if unterminated else TOOL_CALL_CLOSE)
-        return self._text(raw)
+
+def parse_tool_call(body: str, tools: Sequence[ToolSpec] | None = None) -> ToolCall | None:
+    """A `<tool_call>` block's body, `{"name": ..., "arguments": {...}}` (or `parameters`, or
+    arguments as a JSON string), as a call; with `tools`, only a declared one whose arguments fit."""
+    return body_call(body, DeclaredTools(tools))
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper prefix of `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
-
-
-def parse_tool_call(body: str) -> ToolCall | None:
-    """`{"name": ..., "arguments": {...}}` (or `parameters`, or arguments as a JSON string)."""
-    text = body.strip()
-    if text.startswith("```"):
-        text = text.strip("`").removeprefix("json").strip()
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = _first_json_object(text)
-    if not isinstance(value, dict):
-        return None
-    name = value.get("name")
-    if not isinstance(name, str) or not name:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            return None
-    if arguments is None:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
-
-
-def _first_json_object(text: str) -> Any:
-    start = text.find("{")
-    if start < 0:
-        return None
-    try:
-        value, _ = json.JSONDecoder().raw_decode(text[start:])
-    except ValueError:
-        return None
-    return value
-
-
-def parse_output(text: str, tools_enabled: bool = True, prefix: str = "") -> tuple[str, list[ToolCall]]:
+def parse_output(text: str, tools_enabled: bool = True, prefix: str = "",
+                 tools: Sequence[ToolSpec] | None = None) -> tuple[str, list[ToolCall]]:
     """Content and tool calls of a whole reply (the non-streaming form of ToolCallParser)."""
-    parser = ToolCallParser(tools_enabled, prefix)
+    parser = ToolCallParser(tools_enabled, prefix, tools)
     parser.feed(text)
     parser.finish()
     return parser.content, parser.calls

@@ -35,7 +35,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from agentfold.chat.plan import ChatPlan, check_schema, parse_tool_choice
+from agentfold.chat.plan import ChatPlan, ContextOverflow, check_schema, parse_tool_choice
 from agentfold.chat.template import render_chat
 from agentfold.chat.tool_calls import TextPiece
 from agentfold.chat.tools import ToolCall, ToolSpec
@@ -47,7 +47,8 @@ from agentfold.http.fields import (
     get_stop,
     read_turn_fields,
 )
-from agentfold.http.stream import SSE_HEADERS, Outcome, collect, drive, new_id, prepare, sse
+from agentfold.http.stream import SSE_HEADERS, Heartbeat, Outcome, collect, drive, new_id, prepare, sse
+from agentfold.serve.chat_turn import PreparedTurn
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +239,18 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments_obj}
 
 
+def _prepare(server, plan: ChatPlan, request: Request) -> PreparedTurn:
+    """The turn, or the 400 Anthropic answers a prompt over the context with: Claude Code matches
+    its message, `prompt is too long: N tokens > M maximum`, to compact the conversation."""
+    try:
+        return prepare(server.runtime, plan, "messages", request, server.default_max_tokens)
+    except ContextOverflow as error:
+        raise ApiError(error.anthropic_message, code=error.code, param=error.param) from error
+
+
 async def messages(server, request: Request, body: dict[str, Any]):
     plan = messages_plan(body, request)
-    prepared = prepare(server.runtime, plan, "messages", request, server.default_max_tokens)
+    prepared = _prepare(server, plan, request)
     model = plan.model or server.runtime.model_id
     msg_id = new_id("msg_")
     if not plan.stream:
@@ -269,7 +279,9 @@ async def messages(server, request: Request, body: dict[str, Any]):
         text_open = False
         try:
             async for item in drive(server.runtime, prepared, request):
-                if isinstance(item, TextPiece):
+                if isinstance(item, Heartbeat):
+                    yield event("ping")  # Anthropic's keep-alive: a long prefill is not a dead stream
+                elif isinstance(item, TextPiece):
                     if not text_open:
                         yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
                         text_open = True

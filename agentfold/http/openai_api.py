@@ -37,7 +37,7 @@ from agentfold.http.fields import (
     get_stop,
     read_turn_fields,
 )
-from agentfold.http.stream import SSE_HEADERS, Outcome, collect, drive, new_id, now, prepare, sse
+from agentfold.http.stream import KEEPALIVE, SSE_HEADERS, Heartbeat, Outcome, collect, drive, new_id, now, prepare, sse
 from agentfold.serve.chat_turn import PreparedTurn
 
 log = logging.getLogger(__name__)
@@ -347,7 +347,9 @@ async def _chat_events(server, prepared: PreparedTurn, request: Request, head: d
     index = 0
     try:
         async for item in drive(server.runtime, prepared, request):
-            if isinstance(item, Delta):
+            if isinstance(item, Heartbeat):
+                yield KEEPALIVE
+            elif isinstance(item, Delta):
                 logprobs.add(item)
             elif isinstance(item, TextPiece):
                 yield chunk({"content": item.text}, entries=logprobs.take())
@@ -435,7 +437,9 @@ async def completions(server, request: Request, body: dict[str, Any]):
         offset = 0  # characters streamed so far: where the next chunk's tokens start
         try:
             async for item in drive(server.runtime, prepared, request):
-                if isinstance(item, Delta):
+                if isinstance(item, Heartbeat):
+                    yield KEEPALIVE
+                elif isinstance(item, Delta):
                     stream.add(item)
                 elif isinstance(item, TextPiece):
                     yield chunk(item.text, offset, entries=stream.take())

@@ -24,14 +24,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from agentfold.chat.plan import ChatPlan, check_schema, parse_tool_choice
+from agentfold.chat.plan import ChatPlan, ContextOverflow, check_schema, parse_tool_choice
 from agentfold.chat.tool_calls import TextPiece
 from agentfold.chat.tools import ToolCall, ToolSpec
 from agentfold.http.errors import ApiError
 from agentfold.http.fields import get_bool, get_int, get_str
 from agentfold.http.openai_api import common_fields, content_text, parse_response_format
 from agentfold.http.response_store import MAX_RESPONSES, ResponseStore
-from agentfold.http.stream import SSE_HEADERS, Outcome, collect, drive, new_id, now, prepare, sse
+from agentfold.http.stream import SSE_HEADERS, Heartbeat, Outcome, collect, drive, new_id, now, prepare, sse
 from agentfold.serve.chat_turn import PreparedTurn
 from agentfold.sessions.ids import session_id_for_key
 
@@ -295,10 +295,17 @@ async def responses(server: Any, request: Request, body: dict[str, Any]) -> Resp
     previous_id, history, session_id = _previous(server, body)
     new_items = input_items(body.get("input"))
     plan, custom = responses_plan(body, request, [*history, *new_items], session_id)
-    prepared = prepare(server.runtime, plan, "responses", request, server.default_max_tokens)
     store = response_store(server) if get_bool(body, "store", True) else None
     shape = ResponseShape(body, plan, custom, plan.model or server.runtime.model_id, get_str(body, "instructions"),
                           previous_id, store, new_items)
+    try:
+        prepared = prepare(server.runtime, plan, "responses", request, server.default_max_tokens)
+    except ContextOverflow as error:
+        overflow = ApiError(error.message, code=error.code, param="input")
+        if not plan.stream:
+            raise overflow from error
+        return StreamingResponse(_overflow_events(shape, overflow), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     if not plan.stream:
         outcome = await collect(server.runtime, prepared, request)
         output = [shape.message_item(outcome.content)] if outcome.content or not outcome.calls else []
@@ -395,13 +402,24 @@ class _ResponseStream:
         return self.event("response.failed", response=failed)
 
 
+async def _overflow_events(shape: ResponseShape, error: ApiError) -> AsyncIterator[str]:
+    """A streamed request whose prompt does not fit: `response.failed` with `context_length_exceeded`,
+    the one form of it Codex (0.171) reads as a full context window (an HTTP 400 is an invalid request
+    to it); non-streamed requests get the 400 with that code."""
+    stream = _ResponseStream(shape)
+    yield stream.event("response.created", response=shape.response("in_progress", []))
+    yield stream.failed(error)
+
+
 async def _events(server: Any, prepared: PreparedTurn, request: Request, shape: ResponseShape) -> AsyncIterator[str]:
     stream = _ResponseStream(shape)
     yield stream.event("response.created", response=shape.response("in_progress", []))
     yield stream.event("response.in_progress", response=shape.response("in_progress", []))
     try:
         async for item in drive(server.runtime, prepared, request):
-            if isinstance(item, TextPiece):
+            if isinstance(item, Heartbeat):  # a long prefill: the response is still in progress
+                lines = [stream.event("response.in_progress", response=shape.response("in_progress", stream.output))]
+            elif isinstance(item, TextPiece):
                 lines = stream.text(item)
             elif isinstance(item, ToolCall):
                 lines = stream.tool_call(item)

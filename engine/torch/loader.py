@@ -1,7 +1,7 @@
 """Load a local checkpoint into a torch model: a Hugging Face safetensors folder or a GGUF file.
 
-GGUF files go through `engine.gguf` (llama.cpp's names, permutations and tokenizer undone, weights
-dequantized to float32) and then numpy into torch. Folders need config.json, *.safetensors and a
+GGUF files go through `engine.gguf_model` (llama.cpp's names, permutations and tokenizer undone, weights
+the gguf package's reference dequantization to float32) and then numpy into torch. Folders need config.json, *.safetensors and a
 tokenizer. Routed experts are stacked per layer into `ExpertWeights`. On CPU every linear weight
 is stored transposed ([in, out] in memory, still an [out, in] tensor): that is the layout in which
 the CPU GEMM is fastest for the few rows of a decode or verify pass.
@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from agentfold.engine.mlx.loader import LoadedModel, ModelLoadError
@@ -50,14 +49,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
 
 
 def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
-    from agentfold.engine.mlx.gguf import GGUFError, load_gguf
+    from agentfold.engine.gguf_model import GGUFError, build_tokenizer, open_gguf
 
     try:
-        gguf = load_gguf(path, "float32")
+        gguf = open_gguf(path)
+        weights = {name: torch.from_numpy(value) for name, value in gguf.tensors()}
     except GGUFError as error:
         raise ModelLoadError(f"{path}: {error}") from error
-    weights = {name: torch.from_numpy(np.array(value, copy=True)) for name, value in gguf.weights.items()}
-    return gguf.config, weights, gguf.tokenizer
+    return gguf.config, weights, build_tokenizer(gguf.metadata, gguf.architecture)
 
 
 def _read_folder(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
@@ -175,8 +174,14 @@ def build_model(config: dict[str, Any], weights: dict[str, torch.Tensor], dtype:
 
 
 def load_torch_model(path: str | Path, dtype: str = "auto", device: str = "auto",
-                     progress: Callable[[str], None] | None = None) -> LoadedModel:
-    """Load a GGUF file or a Hugging Face folder for the torch backend (dtype `auto`: see resolve_dtype)."""
+                     progress: Callable[[str], None] | None = None, int8: bool = False) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face folder for the torch backend (dtype `auto`: see resolve_dtype).
+
+    With `int8` a GGUF bound for the CPU is quantized here (as `TorchBackend` would), and its int8
+    weights are kept in the converted-weights cache (`weight_cache`): the next start of the same
+    file reads them back instead of dequantizing the file again. (Pipeline stages quantize only
+    their own layers, after pruning, so they load without it.)
+    """
     path = Path(path).expanduser()
     say = progress or (lambda message: None)
     target = resolve_device(device)
@@ -185,17 +190,41 @@ def load_torch_model(path: str | Path, dtype: str = "auto", device: str = "auto"
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a folder with config.json)")
-        say(f"reading GGUF {path.name}")
-        config, weights, tokenizer = _read_gguf(path)
+        model, config, tokenizer = _load_gguf(path, dtype, target, int8 and target.type == "cpu", say)
     elif path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path}: no config.json in this folder")
         say(f"loading {path.name}")
         config, weights, tokenizer = _read_folder(path)
+        model = build_model(config, weights, DTYPES[dtype], target)
     else:
         raise ModelLoadError(f"{path}: no such model file or folder (models are never downloaded)")
-    model = build_model(config, weights, DTYPES[dtype], target)
     loaded = LoadedModel(model, tokenizer, config, path, dtype)  # type: ignore[arg-type]
     loaded.load_seconds = time.perf_counter() - started
     say(f"loaded {loaded.name} ({dtype}, torch on {target.type}) in {loaded.load_seconds:.1f}s")
     return loaded
+
+
+def _load_gguf(path: Path, dtype: str, target: torch.device, int8: bool,
+               say: Callable[[str], None]) -> tuple[torch.nn.Module, dict[str, Any], Any]:
+    """A GGUF's model, int8 from the weight cache where it holds this file, else converted (and
+    stored there when `int8`)."""
+    from agentfold.engine.torch import weight_cache
+    from agentfold.engine.torch.models import quantize
+
+    if int8:
+        cached = weight_cache.load(path, dtype, torch_models.build, say)
+        if cached is not None:
+            return cached
+    say(f"reading GGUF {path.name} (dequantizing its blocks)")
+    config, weights, tokenizer = _read_gguf(path)
+    model = build_model(config, weights, DTYPES[dtype], target)
+    del weights
+    if int8:
+        say("rounding the weights to int8 (once: kept in the weight cache for later starts)")
+        parts: dict[str, Any] = {}
+        quantize.int8_weights(model, record=parts)
+        if weight_cache.enabled():
+            folder = weight_cache.store(weight_cache.cache_key(path, dtype), model, parts, config, tokenizer, path)
+            say(f"converted weights kept in {folder}" if folder else "the weight cache could not be written")
+    return model, config, tokenizer

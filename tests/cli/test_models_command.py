@@ -38,6 +38,24 @@ def test_models_lists_both_shipped_models_with_context_lengths(no_weights_loaded
     assert "32768" in table and "8192" in table and "smollm2" in table
 
 
+def test_models_lists_the_coder_model_once_installed(no_weights_loaded, capsys):
+    from agentfold.serve.models import CODER_SHA256, ModelNotFound, coder_chunks, coder_path
+
+    try:
+        coder_chunks()
+    except ModelNotFound:
+        pytest.skip("the coder model's chunk packages are not installed")
+    assert main(["models", "--json"]) == 0
+    listed = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
+    coder = listed["qwen2.5-coder-1.5b-instruct-q4_k_m"]
+    assert (coder["architecture"], coder["context_length"]) == ("qwen2", 32768)
+    assert {"qwen2.5-coder", "coder"} <= set(coder["aliases"]) and coder["size_bytes"] > 1_000_000_000
+    assert resolve("coder") == coder_path() == resolve("qwen2.5-coder")
+    from agentfold.engine.file_digest import sha256_of
+
+    assert sha256_of(coder_path()) == CODER_SHA256
+
+
 def test_model_dir_and_cache_entries(monkeypatch, capsys, tmp_path):
     cache, shelf = tmp_path / "cache", tmp_path / "shelf"
     (cache / "some-model-float32").mkdir(parents=True)

@@ -36,7 +36,22 @@ def test_expected_rate_counts_drafted_tokens():
     assert backend_choice.expected_rate(report(1, 0.05, 0.0)) == pytest.approx(20.0)
 
 
-def test_auto_measures_once_then_remembers(tmp_path):
+def test_auto_takes_torch_without_measuring_where_its_kernels_build(tmp_path):
+    """On a CPU with a compiler, torch's C kernels win: MLX is not loaded or measured at all."""
+    if not backend_choice.torch_kernels_built() or backend_choice.candidates("auto") == ["mlx"]:
+        pytest.skip("no C compiler here, or an Apple chip (MLX is the Metal path)")
+    folder = write_folder(tmp_path / "llama", "llama", seed=3)
+    said: list[str] = []
+    engine = build_engine(folder, backend="auto", device="cpu", verdicts=tmp_path / "backends.json",
+                          progress=said.append)
+    assert engine.backend.name == "torch"
+    assert not any("measuring" in line or "mlx" in line.split("->")[-1] for line in said if "backend auto" in line)
+    assert not (tmp_path / "backends.json").exists()  # nothing measured, nothing to remember
+
+
+def test_auto_measures_once_then_remembers(tmp_path, monkeypatch):
+    """Where both backends could win (no C kernels for torch), each is measured once, then remembered."""
+    monkeypatch.setattr(backend_choice, "torch_kernels_built", lambda: False)
     folder = write_folder(tmp_path / "llama", "llama", seed=3)
     verdicts = tmp_path / "backends.json"
     said: list[str] = []

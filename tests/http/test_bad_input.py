@@ -108,7 +108,7 @@ HTTP_CASES = [
     (MESSAGES, message(messages=[{"role": "user", "content": 7}]), {}, 400, ["messages.0.content"]),
     (MESSAGES, message(messages=[*HI, {"role": "assistant", "content": [{"type": "tool_use", "input": {}}]}]), {},
      400, ["name"]),
-    (MESSAGES, message(messages=[{"role": "user", "content": LONG}]), {}, 400, ["maximum context length"]),
+    (MESSAGES, message(messages=[{"role": "user", "content": LONG}]), {}, 400, ["prompt is too long"]),
     (MESSAGES, message(top_k="x"), {}, 400, ["'top_k' must be an integer"]),
     (MESSAGES, message(session_id=SQL), {}, 400, ["not a valid session id"]),
     (MESSAGES, b'{"model":"m","max_tokens":1,"messages":[{"role":"user","content":"\xc3\x28"}]}', {}, 400,

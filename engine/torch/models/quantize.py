@@ -18,14 +18,28 @@ from agentfold.kernels.int8_linear import Int8Weight, concat, pack, quantize_wei
 MODES = ("int8", "none")
 
 
-def int8_weights(model: nn.Module) -> int:
-    """Quantize `model` in place (once: a second call changes nothing); returns its int8 weight bytes."""
+HEAD = "head"  # the key of a tied output head's int8 weight in `given` / `record`
+
+
+def int8_weights(model: nn.Module, given: dict[str, Int8Weight] | None = None,
+                 record: dict[str, Int8Weight] | None = None) -> int:
+    """Quantize `model` in place (once: a second call changes nothing); returns its int8 weight bytes.
+
+    `given` maps a Linear's module name (and HEAD, for a tied head) to its int8 weight, quantized
+    before (the converted-weights cache, `engine.torch.weight_cache`): those linears' float weights
+    are never read. `record`, if given, receives every linear's own int8 weight by the same names,
+    before fusing, for that cache to store.
+    """
     if getattr(model, "quantized", None) == "int8":
         return model.int8_bytes
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    for linear in linears:
-        linear.int8 = quantize_weight(linear.weight)
+    given = given or {}
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    for name, linear in linears:
+        linear.int8 = given[name] if name in given else quantize_weight(linear.weight)
+        if record is not None:
+            record[name] = linear.int8
         linear.weight = nn.Parameter(torch.empty(0, linear.weight.shape[1]), requires_grad=False)
+    linears = [linear for _, linear in linears]
     total = sum(linear.int8.nbytes() for linear in linears)
     for module in list(model.modules()):
         if isinstance(module, Attention):
@@ -35,7 +49,9 @@ def int8_weights(model: nn.Module) -> int:
     if model.lm_head is not None:
         model.head_int8 = model.lm_head.int8
     else:
-        model.head_int8 = quantize_weight(model.model.embed_tokens.weight)
+        model.head_int8 = given.get(HEAD) or quantize_weight(model.model.embed_tokens.weight)
+        if record is not None:
+            record[HEAD] = model.head_int8
         total += model.head_int8.nbytes()
     for weight in {id(w): w for w in _int8_weights(model)}.values():
         pack(weight)

@@ -1,0 +1,169 @@
+"""Tool calls in free text: a lazy grammar that holds a call to the tools' schemas once it starts.
+
+With `tool_choice: auto` a reply may be prose, code, or a call. The grammar here leaves the text
+free until the reply starts a call, in one of the two ways the served models write one:
+
+- the Hermes / Qwen tag `<tool_call>` (a single special token where the tokenizer has one, as
+  Qwen2.5's does, else the text; `special_tags` tells which);
+- a JSON object that begins by naming a declared tool, `{"name": "Read"` (any whitespace, also
+  inside a fenced json block), as small models and Llama 3.x write calls.
+
+From there to the end of the call every token must follow the call's grammar: the declared
+name's arguments under its JSON schema (`declared_only`), under `"arguments"` or `"parameters"`,
+then `}` (and `</tool_call>` for the tag); then the text is free again. llguidance's lazy lexemes
+(`trig[lazy]: TEXT "<tool_call>"`) end the free text at the first trigger.
+
+`LazyCallConstraint` keeps drafting exact and costs almost nothing while the text is free. For
+each row it takes the sampler's choice on the raw logits; only when the grammar refuses that
+token does it compute the full-vocabulary mask and choose again among the allowed tokens. Both
+steps read only the row and the state after the committed tokens, so serial and verify rows
+choose alike. In free text nothing is refused (a special token the grammar cannot place, such
+as `<|python_tag|>`, passes unseen by it; an end-of-turn token ends the reply as always), so a
+reply that never starts a call is token for token the reply without the grammar. Under greedy
+decoding a refused-then-masked choice is exactly the masked argmax; with sampling, a raw choice
+the grammar allows stands (top-k / top-p are applied to the raw row), else the sampler chooses
+again on the masked row.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from agentfold.engine.constraints import GrammarConstraint, declared_only, ll_tokenizer
+from agentfold.engine.sampler import SamplingParams, choose
+
+LAZY_MARK = "// agentfold: lazy tool calls\n"  # first line of a lazy grammar (`is_lazy`)
+TAGS = ("<tool_call>", "</tool_call>")
+WS = r"[ \t\r\n]{0,24}"  # bounded: a small model must not loop on whitespace inside a call
+_JSON_OPTIONS = {"whitespace_pattern": WS, "item_separator": ",", "key_separator": ":"}
+_REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
+
+
+def is_lazy(grammar: str | None) -> bool:
+    return bool(grammar) and grammar.startswith(LAZY_MARK)
+
+
+def _regex(literal: str) -> str:
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in literal)
+
+
+def _name_head(name: str) -> str:
+    """Regex of `{"name": "<name>"` with free whitespace: the start of a JSON call to `name`."""
+    return rf"\{{{WS}\"name\"{WS}:{WS}{_regex(json.dumps(name, ensure_ascii=False))}"
+
+
+def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] = ()) -> str:
+    """The lazy grammar for `tools` (`{"name", "parameters"}` each). `special`: the tags of `TAGS`
+    that are single special tokens in the served tokenizer (`special_tags`)."""
+    if not tools:
+        raise ValueError("a lazy tool grammar needs at least one tool")
+    lines = [LAZY_MARK.rstrip("\n"), "%llguidance {}", "start: call* free", "free: TEXT", r"TEXT: /(.|\n)*/",
+             f"WS: /{WS}/", f"ARGKEY: /{WS},{WS}\"(arguments|parameters)\"{WS}:{WS}/", f"CLOSE: /{WS}\\}}/"]
+    calls, bodies = [], []
+    for i, tool in enumerate(tools):
+        schema = {**declared_only(tool.get("parameters") or {"type": "object"}), "x-guidance": _JSON_OPTIONS}
+        lines += [f"args_{i}: %json {json.dumps(schema)}",
+                  f"rest_{i}: ARGKEY args_{i} CLOSE",
+                  f"HEAD_{i}: /{_name_head(tool['name'])}/",
+                  f"json_trig_{i}[lazy]: TEXT /{_name_head(tool['name'])}/",
+                  f"json_{i}: json_trig_{i} rest_{i}",
+                  f"body_{i}: HEAD_{i} rest_{i}"]
+        calls.append(f"json_{i}")
+        bodies.append(f"body_{i}")
+    close = '(</tool_call> | "</tool_call>")' if "</tool_call>" in special else '"</tool_call>"'
+    lines += [f"body: {' | '.join(bodies)}",
+              'tag_trig[lazy]: TEXT "<tool_call>"',
+              f"tagged: tag_trig WS body WS {close}"]
+    calls.append("tagged")
+    if "<tool_call>" in special:
+        lines.append(f"tagged_token: TEXT <tool_call> WS body WS {close}")
+        calls.append("tagged_token")
+    lines.append(f"call: {' | '.join(calls)}")
+    return "\n".join(lines) + "\n"
+
+
+@lru_cache(maxsize=8)
+def _special_tags(tokenizer_id: int, tokenizer: Any) -> frozenset[str] | None:
+    try:
+        ll = ll_tokenizer(tokenizer)
+    except Exception:  # not a fast Hugging Face tokenizer: llguidance cannot read it
+        return None
+    found = set()
+    for tag in TAGS:
+        token = tokenizer.convert_tokens_to_ids(tag)
+        if isinstance(token, int) and tokenizer.convert_ids_to_tokens(token) == tag and ll.is_special_token(token):
+            found.add(tag)
+    return frozenset(found)
+
+
+def special_tags(tokenizer: Any) -> frozenset[str] | None:
+    """The call tags that are one special token each in `tokenizer` (Qwen2.5: both; SmolLM2: none);
+    None for a tokenizer llguidance cannot read (no grammar can run on it).
+
+    llguidance reads such a token as a special token, not as its text: the grammar must name it
+    as `<tool_call>`, where a tokenizer without it spells the tag as text, "<tool_call>".
+    """
+    return _special_tags(id(tokenizer), tokenizer)
+
+
+@lru_cache(maxsize=16)
+def _compiled(tokenizer_id: int, tokenizer: Any, grammar: str) -> Any:
+    import llguidance
+
+    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"invalid grammar: {matcher.get_error()}")
+    return matcher
+
+
+class LazyCallConstraint:
+    """One reply's lazy tool-call grammar: `choose` a row's token, `advance` with the committed one."""
+
+    def __init__(self, tokenizer: Any, grammar: str, eos_token_ids: Collection[int]) -> None:
+        self.ll = ll_tokenizer(tokenizer)
+        self.matcher = _compiled(id(tokenizer), tokenizer, grammar).deep_copy()  # compiled once per grammar
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.live = True  # False once the grammar cannot follow the reply (never by design; a guard)
+        self.masked_rows = 0  # rows whose raw choice the grammar refused (telemetry, tests)
+
+    def choose(self, row: np.ndarray, position: int, params: SamplingParams) -> int:
+        token = choose(row, position, params)
+        if not self.live or self._allows(token):
+            return token
+        allowed = GrammarConstraint.bits(self.matcher, row.shape[0])
+        if self.matcher.is_accepting():
+            allowed[[t for t in self.eos if t < allowed.shape[0]]] = True
+        if not allowed.any():
+            self.live = False
+            return token
+        self.masked_rows += 1
+        return choose(np.where(allowed, row, np.float32(-np.inf)).astype(row.dtype, copy=False), position, params)
+
+    def _allows(self, token: int) -> bool:
+        if token in self.eos:
+            return self.matcher.is_accepting()
+        if self.matcher.validate_tokens([token]) == 1:
+            return True
+        return self.matcher.is_accepting() and self.ll.is_special_token(token)  # free text: passes unseen
+
+    def advance(self, token: int) -> None:
+        token = int(token)
+        if not self.live or token in self.eos:
+            return
+        if self.matcher.validate_tokens([token]) == 0:
+            if not (self.matcher.is_accepting() and self.ll.is_special_token(token)):
+                self.live = False  # only reachable when `choose` gave up: the rest is free
+            return
+        self.matcher.consume_token(token)
+        if self.matcher.is_error():
+            self.live = False
+
+    @property
+    def in_call(self) -> bool:
+        """Whether the committed text has started a call that is not finished yet."""
+        return self.live and not self.matcher.is_accepting()

@@ -1,0 +1,144 @@
+"""GGUF files written by the gguf package itself, for the loader's tests.
+
+`block_bytes` makes a tensor of any ggml type: quantized by the gguf package where it can
+quantize that type, else random blocks (any bytes are valid blocks; the high byte of every
+16-bit word has its top exponent bit cleared, so every float16 scale is finite). `write_tiny_model`
+writes a small model of a real architecture (llama, qwen2, gemma3) whose linear weights are one
+ggml type, with SmolLM2's tokenizer metadata, as llama.cpp's converter lays it out: q / k rows
+permuted for llama (`llamacpp_permute`, written here from convert_hf_to_gguf.py's definition, not
+from our loader), Gemma's norms stored as 1 + w.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+PLAIN = {"F32": np.float32, "F16": np.float16}
+
+
+def can_quantize(kind: str) -> bool:
+    from gguf import quants
+
+    traits = getattr(quants, "_type_traits", {}).get(GGMLQuantizationType[kind])
+    return traits is not None and "quantize_blocks" in traits.__dict__
+
+
+def block_bytes(kind: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
+    """A [rows, cols] tensor of ggml type `kind` as stored: float arrays for F32 / F16, else uint8 blocks."""
+    if kind in PLAIN:
+        return (rng.standard_normal((rows, cols)) * scale).astype(PLAIN[kind])
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    if can_quantize(kind):
+        return quantize((rng.standard_normal((rows, cols)) * scale).astype(np.float32), qtype)
+    raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
+    raw[:, 1::2] &= 0xBF  # float16 fields: exponent below 31, so finite
+    return raw
+
+
+def reference(reader: GGUFReader, name: str) -> np.ndarray:
+    """The gguf package's own values for a tensor: its reader's view, its dequantization."""
+    tensor = next(t for t in reader.tensors if t.name == name)
+    values = dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def llamacpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q / k row order for llama (convert_hf_to_gguf.py LlamaModel.permute)."""
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def add(writer: GGUFWriter, name: str, data: np.ndarray, kind: str) -> None:
+    if kind in PLAIN:
+        writer.add_tensor(name, data)
+    else:
+        writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[kind])
+
+
+def tokenizer_fields(source: Path) -> dict[str, Any]:
+    """Every tokenizer.* key of a real GGUF (SmolLM2's), to write into a tiny model."""
+    reader = GGUFReader(str(source))
+    return {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+
+
+def tiny_tokenizer_fields() -> dict[str, Any]:
+    """A 320-token byte-level BPE (tests.helpers.tiny_models) as GGUF tokenizer keys (gpt2 model):
+    tiny models load in a fraction of the time SmolLM2's 49K vocabulary takes."""
+    import json
+
+    from tests.helpers.tiny_models import SPECIAL_TOKENS, make_tokenizer
+
+    data = json.loads(make_tokenizer().backend_tokenizer.to_str())
+    tokens = [t for t, _ in sorted(data["model"]["vocab"].items(), key=lambda item: item[1])]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in data["model"]["merges"]]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3 if t in SPECIAL_TOKENS else 1 for t in tokens],
+            "tokenizer.ggml.merges": merges, "tokenizer.ggml.eos_token_id": tokens.index(SPECIAL_TOKENS[0]),
+            "tokenizer.ggml.bos_token_id": tokens.index(SPECIAL_TOKENS[1])}
+
+
+def write_tiny_model(path: Path, arch: str, kind: str, tokenizer: dict[str, Any], seed: int = 0,
+                     hidden: int = 256, inner: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> Path:
+    """A small `arch` model whose linear weights are ggml type `kind` (embedding and norms float)."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), arch)
+    head_dim = hidden // heads
+    writer.add_block_count(layers)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inner)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    if arch == "gemma3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(64)
+    for key, value in tokenizer.items():
+        _add_field(writer, key, value)
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
+    add(writer, "token_embd.weight", (rng.standard_normal((vocab, hidden)) * 0.05).astype(np.float16), "F16")
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + rng.standard_normal(n) * 0.1).astype(np.float32)
+
+    add(writer, "output_norm.weight", norm(hidden), "F32")
+    for i in range(layers):
+        shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+                  "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
+                  "ffn_gate": (inner, hidden), "ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
+        for part, (rows, cols) in shapes.items():
+            add(writer, f"blk.{i}.{part}.weight", block_bytes(kind, rows, cols, rng), kind)
+        norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm", "attn_q_norm", "attn_k_norm"]
+                                            if arch == "gemma3" else [])
+        for part in norms:
+            add(writer, f"blk.{i}.{part}.weight", norm(head_dim if part.endswith(("q_norm", "k_norm")) else hidden),
+                "F32")
+        if arch == "qwen2":
+            for part, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim),
+                               ("attn_v", kv_heads * head_dim)):
+                add(writer, f"blk.{i}.{part}.bias", (rng.standard_normal(rows) * 0.02).astype(np.float32), "F32")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_field(writer: GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, (list, np.ndarray)):
+        writer.add_array(key, list(value))
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    else:
+        writer.add_uint32(key, int(value))
