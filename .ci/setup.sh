@@ -22,7 +22,9 @@ PYTHON=${PYTHON:-python3}
 PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e '.[test]'
 # The torch backend (CPU build from the local wheel where one is provided; pin it so pip never
 # trades it for a multi-GB CUDA build) and Triton, whose interpreter runs the kernel tests on CPU.
-.venv/bin/python -m pip install -q "torch==${AGENTFOLD_TORCH_VERSION:-2.13.0}"
+# accelerate beside the pinned torch: transformers reads a GGUF only with it (the float reference of
+# tests/engine/test_real_reference.py).
+.venv/bin/python -m pip install -q "torch==${AGENTFOLD_TORCH_VERSION:-2.13.0}" accelerate
 if [ "$(uname)" = "Linux" ] && [ "$(uname -m)" = "x86_64" ]; then
   .venv/bin/python -m pip install -q "triton==3.9.0"
 fi

@@ -20,13 +20,13 @@ DRAFTERS = ("suffix", "draft-model", "none")
 
 
 BACKENDS = ("auto", "mlx", "torch")
-QUANTS = ("auto", "int8", "none")
+QUANTS = ("auto", "int8", "blocks", "none")
 
 
 def _loader(backend: str, dtype: str | None, device: str, say: Callable[[str], None],
-            int8: bool = False) -> tuple[Callable[[str | Path | LoadedModel], LoadedModel], type]:
-    """How to load a model for `backend`, and the backend class that runs it (`int8`: a torch CPU
-    model quantized at load, through the converted-weights cache)."""
+            quant: str | None = None) -> tuple[Callable[[str | Path | LoadedModel], LoadedModel], type]:
+    """How to load a model for `backend`, and the backend class that runs it (`quant`: how a torch
+    CPU model is quantized at load, `loader.load_torch_model`; None: by the backend)."""
     if backend == "mlx":
         if device not in ("auto", "cpu"):
             raise ValueError(f"--device {device}: the mlx backend runs on this machine's MLX device; "
@@ -43,7 +43,7 @@ def _loader(backend: str, dtype: str | None, device: str, say: Callable[[str], N
         except ImportError as error:
             raise ValueError(f"the torch backend needs PyTorch ({error}): pip install 'agentfold[torch]'") from None
         chosen = dtype or "auto"
-        return (lambda m: m if isinstance(m, LoadedModel) else load_torch_model(m, chosen, device, say, int8)), TorchBackend
+        return (lambda m: m if isinstance(m, LoadedModel) else load_torch_model(m, chosen, device, say, quant)), TorchBackend
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
 
 
@@ -65,9 +65,10 @@ def build_engine(
 
     `drafter`: suffix (prompt / session lookup), draft-model (needs `draft_model`), or none.
     `backend`: mlx, torch on `device` (auto | cpu | cuda), or auto (`backend_choice`: the one
-    that verifies widest and fastest here, remembered in the `verdicts` file). `quant`: auto and
-    int8 run linear layers on int8 weights with exact integer sums (row-exact by construction; the
-    default wherever it runs), none keeps float weights (row-exact only as far as the BLAS happens
+    that verifies widest and fastest here, remembered in the `verdicts` file). `quant`: blocks runs
+    a GGUF's linear layers on the file's own blocks (torch on CPU, `kernels.block_linear`), int8 on
+    int8 weights, both with exact integer sums (row-exact by construction); auto is blocks where
+    every weight's type has a block kernel, else int8 (the default wherever it runs); none keeps float weights (row-exact only as far as the BLAS happens
     to be). `dtype` None: float32, except bfloat16 for torch on CUDA. The self-check caps verify
     passes at the widest row-exact width (drafting off if none). `stages`: a
     `torch.stages.StageOptions` or `mlx.stages.MLXStageOptions` to split the model by layers over
@@ -84,7 +85,7 @@ def build_engine(
         backend = wanted
     if backend == "auto":
         return _build_auto(model, dtype, drafter, draft_model, max_width, self_check, say, device, quant, verdicts)
-    load, backend_class = _loader(backend, dtype, device, say, int8=stages is None and quant in ("auto", "int8"))
+    load, backend_class = _loader(backend, dtype, device, say, quant if stages is None else None)
     loaded = load(model)
     if stages is not None and backend == "mlx":
         from agentfold.engine.mlx.stages import MLXStagedBackend

@@ -48,7 +48,9 @@ def _open_llama(rig: Rig, loads: Sequence[tuple[dict[str, Any], list[int]]], max
                 machine: dict[str, Any], say: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
     """llama.cpp on the same GGUF with room for the longest prompt, or None and why not."""
     longest = max(len(prompt) for _, prompt in loads)
-    llama, llama_info = bench_llamacpp.open_llama_cpp(rig.path, longest + max_tokens + 64,
+    # + a batch (512): llama-cpp-python's prompt-lookup eval writes a whole batch of scores from
+    # n_past, past n_ctx near the end (a 762-token prompt on the coder model overflowed).
+    llama, llama_info = bench_llamacpp.open_llama_cpp(rig.path, longest + max_tokens + 64 + 512,
                                                       machine["cpus_usable"] or os.cpu_count() or 1)
     say(f"bench: llama.cpp: {llama_info.get('skipped') or 'llama-cpp-python ' + str(llama_info.get('version'))}")
     return llama, llama_info

@@ -90,6 +90,7 @@ def decode(llm: Any, prompt: Sequence[int], max_tokens: int, stop_ids: Iterable[
     tokens: list[int] = []
     times: list[float] = []
     finish = "length"
+    llm.reset()  # nothing carried from the last workload (its evaluated tokens, its n_past)
     started = time.perf_counter()
     generator = llm.generate(list(prompt), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
     try:
@@ -128,9 +129,13 @@ def workload_row(runner: LlamaCpp, prompt: Sequence[int], max_tokens: int, stop_
         "agentfold_serial_vs_llama_cpp": ratio(serial_tps, serial["steady_tps"]),
         "identical_to_agentfold_serial": serial["tokens"] == list(serial_tokens),
     }
-    lookup = None
+    lookup, missing = None, runner.lookup_missing
     if runner.lookup is not None:
-        lookup = decode(runner.lookup, prompt, max_tokens, stop_ids)
+        try:
+            lookup = decode(runner.lookup, prompt, max_tokens, stop_ids)
+        except ValueError as error:  # llama-cpp-python's lookup eval can overrun its scores buffer
+            missing = f"llama-cpp-python's prompt lookup failed: {type(error).__name__}: {error}"
+    if lookup is not None:
         row.update({
             "prompt_lookup_tps": lookup["steady_tps"],
             "prompt_lookup_speedup": ratio(lookup["steady_tps"], serial["steady_tps"]),
@@ -139,5 +144,34 @@ def workload_row(runner: LlamaCpp, prompt: Sequence[int], max_tokens: int, stop_
         })
     row["serial"] = {k: v for k, v in serial.items() if k != "tokens"}
     row["prompt_lookup"] = ({k: v for k, v in lookup.items() if k != "tokens"} if lookup is not None
-                            else {"skipped": runner.lookup_missing})
+                            else {"skipped": missing})
     return row
+
+
+def perplexity(model_path: Path, tokens: Sequence[int], threads: int) -> dict[str, Any]:
+    """llama.cpp's perplexity of `tokens` (our tokenizer's ids, so both score the same tokens): its
+    logits for every position (`logits_all`), log-softmax in float64 as `bench.quality` does ours."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"skipped": NOT_INSTALLED}
+    if model_path.suffix.lower() != ".gguf" or not model_path.is_file():
+        return {"skipped": f"{model_path} is not a GGUF file (llama.cpp reads GGUF only)"}
+    import llama_cpp
+    import numpy as np
+
+    began = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=len(tokens) + 8, n_threads=threads,
+                          n_threads_batch=threads, logits_all=True, verbose=False)
+    try:
+        llm.eval(list(tokens[:-1]))
+        logits = np.asarray(llm.scores[: len(tokens) - 1], dtype=np.float64)
+    finally:
+        close = getattr(llm, "close", None)
+        if close is not None:
+            close()
+    targets = np.asarray(tokens[1:], dtype=np.int64)
+    peak = logits.max(axis=1, keepdims=True)
+    log_norm = peak[:, 0] + np.log(np.exp(logits - peak).sum(axis=1))
+    mean = float((log_norm - logits[np.arange(len(targets)), targets]).mean())
+    return {"perplexity": round(float(np.exp(mean)), 4), "mean_nll": round(mean, 6), "scored_tokens": len(targets),
+            "version": getattr(llama_cpp, "__version__", None), "weights": "the GGUF's own tensors, llama.cpp's kernels",
+            "seconds": round(time.perf_counter() - began, 3)}

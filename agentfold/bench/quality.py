@@ -12,7 +12,10 @@ reply diverges under any numeric change (a different BLAS, thread count or round
 different reply is no evidence of lost quality; perplexity is.
 
 Float and int8 are loaded separately per backend: quantizing replaces a model's linear layers in
-place, and such a model cannot go back to float.
+place, and such a model cannot go back to float. On torch a GGUF is also scored on its own blocks
+(`--quant blocks`, the CPU default), and where llama-cpp-python is installed llama.cpp scores the
+same token ids from the same file: the blocks multiply as llama.cpp does, so their perplexities
+should agree (within 0.5%).
 """
 
 from __future__ import annotations
@@ -166,16 +169,17 @@ def quality_report(model: str | Path | None = None, backends: Sequence[str] | No
         "backends": {},
     }
     all_replies: dict[str, dict[str, list[list[int]]]] = {}  # backend -> quant -> replies
+    text_ids: list[int] = []  # the scored tokens (one tokenizer: every backend scores the same ids)
     for name in names:
         entry: dict[str, Any] = {}
         replies = all_replies.setdefault(name, {})
         try:
-            for quant in QUANTS:
+            for quant in _quants(name, path, device):
                 say(f"quality: {name} {'float32' if quant == 'none' else quant}: loading")
                 engine = build_engine(path, dtype=dtype, drafter="none", backend=name, quant=quant, device=device,
                                       progress=None)
                 tokenizer = engine.tokenizer
-                ids = text_tokens(tokenizer, source["text"], tokens)
+                ids = text_ids = text_tokens(tokenizer, source["text"], tokens)
                 entry.setdefault("token_sha", hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest())
                 scored = perplexity(engine.backend, ids, chunk)
                 scored["kernels"] = engine.backend.describe()
@@ -191,12 +195,14 @@ def quality_report(model: str | Path | None = None, backends: Sequence[str] | No
         except (ValueError, RuntimeError, ImportError, OSError) as error:
             entry["error"] = f"{type(error).__name__}: {error}"
             say(f"quality: {name}: cannot run ({error})")
+        if "float32" in entry and "blocks" in entry:
+            entry["blocks_change_pct"] = round((entry["blocks"]["perplexity"] / entry["float32"]["perplexity"] - 1) * 100, 4)
         if "float32" in entry and "int8" in entry:
             ref, quantized = entry["float32"]["perplexity"], entry["int8"]["perplexity"]
             change = (quantized / ref - 1.0) * 100.0
             entry["relative_change_pct"] = round(change, 4)
             entry["default_ok"] = abs(change) <= limit_pct
-        if len(replies) == len(QUANTS):
+        if all(quant in replies for quant in QUANTS):
             rows = []
             for prompt, float_reply, int8_reply in zip(reply_prompts, replies["none"], replies["int8"], strict=True):
                 rows.append({"prompt": prompt, "float32_tokens": len(float_reply), "int8_tokens": len(int8_reply),
@@ -206,11 +212,31 @@ def quality_report(model: str | Path | None = None, backends: Sequence[str] | No
             entry["replies"] = {"max_tokens": reply_max_tokens, "identical": f"{same} / {len(rows)}",
                                 "identical_count": same, "count": len(rows), "per_prompt": rows}
         report["backends"][name] = entry
+    report["llama_cpp"] = _llama_cpp_row(path, report, text_ids, say) if text_ids else {"skipped": "no backend ran"}
     report["across_backends"] = _across_backends(all_replies)
     measured = [e for e in report["backends"].values() if "default_ok" in e]
     report["default_ok"] = bool(measured) and all(e["default_ok"] for e in measured)
     report["seconds"] = round(time.perf_counter() - began, 3)
     return report
+
+
+def _quants(backend: str, path: Path, device: str) -> tuple[str, ...]:
+    """float32 and int8 on every backend; on torch a GGUF on its own blocks too (the CPU default)."""
+    on_cpu = device in ("auto", "cpu")
+    return (*QUANTS, "blocks") if backend == "torch" and path.suffix.lower() == ".gguf" and on_cpu else QUANTS
+
+
+def _llama_cpp_row(path: Path, report: dict[str, Any], ids: list[int], say: Callable[[str], None]) -> dict[str, Any]:
+    """llama.cpp's perplexity on the same token ids, and the blocks' change against it (the bar:
+    within 0.5%)."""
+    from agentfold.bench import llamacpp
+
+    row = llamacpp.perplexity(path, ids, threads=os.cpu_count() or 1)
+    blocks = report["backends"].get("torch", {}).get("blocks")
+    if "perplexity" in row and blocks and "perplexity" in blocks:
+        row["blocks_vs_llama_cpp_pct"] = round((blocks["perplexity"] / row["perplexity"] - 1) * 100, 4)
+    say(f"quality: llama.cpp: {row.get('perplexity', row.get('skipped'))}")
+    return row
 
 
 def _across_backends(replies: dict[str, dict[str, list[list[int]]]]) -> dict[str, Any]:
@@ -252,6 +278,13 @@ def summary_line(report: dict[str, Any]) -> str:
                          f"({entry['relative_change_pct']:+.2f}%), replies identical {replies}")
         else:
             parts.append(f"{name}: {entry.get('error', 'not measured')}")
+        if "blocks_change_pct" in entry:
+            parts.append(f"{name} blocks: ppl {entry['blocks']['perplexity']:.3f} ({entry['blocks_change_pct']:+.2f}%)")
+    llama = report.get("llama_cpp", {})
+    if "perplexity" in llama:
+        versus = llama.get("blocks_vs_llama_cpp_pct")
+        parts.append(f"llama.cpp: ppl {llama['perplexity']:.3f}"
+                     + (f" (blocks {versus:+.2f}% of it)" if versus is not None else ""))
     for quant, same in report.get("across_backends", {}).items():
         parts.append(f"{quant} replies {' vs '.join(same['backends'])} identical {same['identical']}")
     verdict = "int8 within" if report.get("default_ok") else "int8 NOT within"

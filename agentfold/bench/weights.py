@@ -70,7 +70,7 @@ def backend_bytes(backend: Any) -> dict[str, Any]:
 
     A serial token reads every linear weight (the output head included) once and one row of the
     embedding table. What those bytes are depends on the backend and quant: torch int8 holds int8
-    values plus a float32 scale per output channel (`model.int8_bytes`); MLX int8 holds the same
+    values plus a float32 scale per output channel (`model.quantized_bytes`); MLX int8 holds the same
     integers in float32 (4 bytes each, so MLX's float matmul can sum them exactly); float models
     read their float weights, and a tied head reads the whole embedding table.
     """
@@ -85,6 +85,8 @@ def _torch_bytes(backend: Any) -> dict[str, Any]:
     model = backend.model
     params = list(model.parameters())
     float_bytes = sum(p.numel() * p.element_size() for p in params)
+    if getattr(model, "quantized", None) == "blocks":
+        return _block_bytes(model, params, float_bytes)
     table = model.model.embed_tokens.weight
     table_bytes = table.numel() * table.element_size()
     row = table_bytes // table.shape[0]
@@ -96,12 +98,12 @@ def _torch_bytes(backend: Any) -> dict[str, Any]:
                 int8s[id(value)] = value
     quantized = getattr(model, "quantized", None) == "int8"
     if quantized:
-        int8_bytes = int(model.int8_bytes)
+        int8_bytes = int(model.quantized_bytes)
         per_token = int8_bytes + float_bytes - table_bytes + row
-        basis = ("torch int8: int8 weights + float32 scales per output channel (model.int8_bytes, the output head "
+        basis = ("torch int8: int8 weights + float32 scales per output channel (model.quantized_bytes, the output head "
                  "included), float norms, one float embedding row")
         # the tied head's int8 copy duplicates the embedding table: count the table's weights once
-        head = getattr(model, "head_int8", None)
+        head = getattr(model, "head_quantized", None)
         duplicate = head.shape[0] * head.shape[1] if tied and head is not None else 0
         count = sum(p.numel() for p in params) + sum(w.shape[0] * w.shape[1] for w in int8s.values()) - duplicate
     else:
@@ -112,6 +114,25 @@ def _torch_bytes(backend: Any) -> dict[str, Any]:
         count = sum(p.numel() for p in params)
     return {"resident_bytes": float_bytes + int8_bytes, "bytes_per_token": per_token, "parameters": count,
             "basis": basis}
+
+
+def _block_bytes(model: Any, params: list, float_bytes: int) -> dict[str, Any]:
+    """A model on its GGUF blocks (`gguf_blocks`): every linear's blocks (the head's too,
+    `model.quantized_bytes`), the float norms and biases, and one embedding row's blocks a token."""
+    table = model.model.embed_tokens  # BlockEmbedding: the file's rows, dequantized when looked up
+    row = int(table.raw.shape[1])
+    head_on_table = model.lm_head is None and getattr(model.head_quantized, "weights", [None])[0] is not None and \
+        model.head_quantized.weights[0].data.ctypes.data == table.raw.ctypes.data
+    resident = int(model.quantized_bytes) + float_bytes + (0 if head_on_table else int(table.raw.nbytes))
+    blocks = {id(value): value for module in model.modules() for value in vars(module).values()
+              if hasattr(value, "weights") and hasattr(value, "sizes")}  # BlockLinears, the head's once
+    linears = sum(w.n * w.k for value in blocks.values() for w in value.weights)
+    count = sum(p.numel() for p in params) + linears + (0 if head_on_table else table.rows * table.hidden)
+    per_token = int(model.quantized_bytes) + float_bytes + (0 if head_on_table else row)  # (the head reads the row)
+    return {"resident_bytes": resident, "bytes_per_token": per_token,
+            "parameters": count,
+            "basis": "torch blocks: the GGUF's own blocks for every linear (the output head included), float "
+                     "norms, one embedding row's blocks"}
 
 
 def _mlx_bytes(backend: Any) -> dict[str, Any]:

@@ -35,9 +35,11 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"],
                         help="auto (default): the backend that verifies widest and fastest here, measured once "
                              "per machine and model; mlx; or torch (PyTorch, CPU or CUDA)")
-    parser.add_argument("--quant", default="auto", choices=["auto", "int8", "none"],
-                        help="auto/int8: int8 weights with exact integer sums (row-exact by construction); "
-                             "none: float weights (row-exact only as wide as the BLAS happens to be)")
+    parser.add_argument("--quant", default="auto", choices=["auto", "blocks", "int8", "none"],
+                        help="auto: a GGUF's own blocks where every type has a kernel (torch on CPU), else int8; "
+                             "blocks: the file's Q4_K/Q6_K/Q8_0/... blocks as they are; int8: int8 weights; both "
+                             "with exact integer sums (row-exact by construction); none: float weights (row-exact "
+                             "only as wide as the BLAS happens to be)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="torch backend device (auto: cuda if visible)")
 

@@ -39,7 +39,7 @@ class TorchBackend:
         self.device = next(self.model.parameters()).device
         self.vocab_size = int(self.model.args.vocab_size)
         self.quant = resolve_quant(quant, self.device, self.model)
-        if self.quant == "int8":
+        if self.quant in ("int8", "blocks"):  # (blocks: the loader attached the GGUF's own, `gguf_blocks`)
             quantize.int8_weights(self.model)
             if self.model.model.embed_tokens.weight.dtype == torch.float32:
                 # Keys and values as float16, as llama.cpp keeps them: half the bytes every verify
@@ -50,7 +50,7 @@ class TorchBackend:
         # Every kernel of a pass row-exact at any width, prompt rows included: integer linear layers,
         # the C row-wise ops and the C lane attention (prefill chunks too). The self-check verifies
         # it (ExactnessReport.prefill_lanes) before prompts share passes with replies.
-        self.prefill_rows_exact = (self.device.type == "cpu" and self.quant == "int8"
+        self.prefill_rows_exact = (self.device.type == "cpu" and self.quant in ("int8", "blocks")
                                    and torch_cpu.lane_library() is not None and rowwise.library() is not None)
 
     def _calibrate_cpu_matmuls(self) -> None:
@@ -170,6 +170,10 @@ class TorchBackend:
             from agentfold.kernels import int8_linear
 
             kernels.update(int8_linear.describe())
+        elif self.quant == "blocks":
+            from agentfold.kernels import block_linear
+
+            kernels.update(block_linear.describe())
         cache = self.model.cache_dtype or self.model.model.embed_tokens.weight.dtype
         return {"backend": self.name, "device": str(self.device), **kernels, "kv_cache": str(cache).replace("torch.", ""),
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
@@ -178,13 +182,17 @@ class TorchBackend:
 
 def resolve_quant(quant: str, device: torch.device, model: torch.nn.Module) -> str:
     """`auto`: int8 weights on CPU (row-exact by integer arithmetic, 4x fewer bytes), float on CUDA
-    (the batch-invariant Triton kernels). A model already quantized stays int8."""
+    (the batch-invariant Triton kernels). A model already quantized (int8, or loaded on its GGUF
+    blocks) stays so."""
     if quant not in ("auto", *quantize.MODES):
         raise ValueError(f"quant must be auto, {', '.join(quantize.MODES)}, not {quant!r}")
-    if getattr(model, "quantized", None) == "int8":
-        if quant == "none":
-            raise ValueError("this model's weights were already quantized to int8 (load it again for float)")
-        return "int8"
+    done = getattr(model, "quantized", None)
+    if done in ("int8", "blocks"):
+        if quant not in ("auto", done):
+            raise ValueError(f"this model's weights were loaded as {done} (load it again for {quant})")
+        return done
+    if quant == "blocks":
+        raise ValueError("quant blocks runs a GGUF file's own blocks: load the model with it (build_engine does)")
     if quant == "auto":
         return "int8" if device.type == "cpu" else "none"
     if quant == "int8" and device.type != "cpu":

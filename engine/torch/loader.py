@@ -174,13 +174,15 @@ def build_model(config: dict[str, Any], weights: dict[str, torch.Tensor], dtype:
 
 
 def load_torch_model(path: str | Path, dtype: str = "auto", device: str = "auto",
-                     progress: Callable[[str], None] | None = None, int8: bool = False) -> LoadedModel:
+                     progress: Callable[[str], None] | None = None, quant: str | None = None) -> LoadedModel:
     """Load a GGUF file or a Hugging Face folder for the torch backend (dtype `auto`: see resolve_dtype).
 
-    With `int8` a GGUF bound for the CPU is quantized here (as `TorchBackend` would), and its int8
-    weights are kept in the converted-weights cache (`weight_cache`): the next start of the same
-    file reads them back instead of dequantizing the file again. (Pipeline stages quantize only
-    their own layers, after pruning, so they load without it.)
+    `quant` (None: floats, for the backend to quantize) readies a GGUF bound for the CPU as the
+    backend would run it: `blocks` (and `auto`, where every linear weight's type has a block kernel)
+    on the file's own blocks (`gguf_blocks`: nothing converted); `int8` (and `auto` otherwise)
+    rounded to int8 here and kept in the converted-weights cache (`weight_cache`), so the next start
+    of the same file reads them back. (Pipeline stages quantize only their own layers, after
+    pruning, so they load without it.)
     """
     path = Path(path).expanduser()
     say = progress or (lambda message: None)
@@ -190,10 +192,12 @@ def load_torch_model(path: str | Path, dtype: str = "auto", device: str = "auto"
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a folder with config.json)")
-        model, config, tokenizer = _load_gguf(path, dtype, target, int8 and target.type == "cpu", say)
+        model, config, tokenizer = _load_gguf(path, dtype, target, quant if target.type == "cpu" else None, say)
     elif path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path}: no config.json in this folder")
+        if quant == "blocks":
+            raise ModelLoadError(f"{path}: quant blocks runs a GGUF file's own blocks; this is a folder")
         say(f"loading {path.name}")
         config, weights, tokenizer = _read_folder(path)
         model = build_model(config, weights, DTYPES[dtype], target)
@@ -201,17 +205,34 @@ def load_torch_model(path: str | Path, dtype: str = "auto", device: str = "auto"
         raise ModelLoadError(f"{path}: no such model file or folder (models are never downloaded)")
     loaded = LoadedModel(model, tokenizer, config, path, dtype)  # type: ignore[arg-type]
     loaded.load_seconds = time.perf_counter() - started
-    say(f"loaded {loaded.name} ({dtype}, torch on {target.type}) in {loaded.load_seconds:.1f}s")
+    say(f"loaded {loaded.name} ({dtype}, torch on {target.type}"
+        f"{', on its GGUF blocks' if getattr(model, 'quantized', None) == 'blocks' else ''}) in {loaded.load_seconds:.1f}s")
     return loaded
 
 
-def _load_gguf(path: Path, dtype: str, target: torch.device, int8: bool,
+def _load_gguf(path: Path, dtype: str, target: torch.device, quant: str | None,
                say: Callable[[str], None]) -> tuple[torch.nn.Module, dict[str, Any], Any]:
-    """A GGUF's model, int8 from the weight cache where it holds this file, else converted (and
-    stored there when `int8`)."""
+    """A GGUF's model: on its blocks, int8 (from the weight cache where it holds this file, else
+    converted and stored there), or float (`quant` None or none)."""
+    from agentfold.engine.gguf_model import GGUFError, build_tokenizer, open_gguf
     from agentfold.engine.torch import weight_cache
-    from agentfold.engine.torch.models import quantize
+    from agentfold.engine.torch.models import gguf_blocks, quantize
 
+    if quant == "blocks" and target.type != "cpu":
+        raise ModelLoadError(f"{path}: the block kernels run on the CPU (use --quant int8 on {target.type})")
+    if quant in ("auto", "blocks") and target.type == "cpu":
+        try:
+            gguf = open_gguf(path)
+        except GGUFError as error:
+            raise ModelLoadError(f"{path}: {error}") from error
+        missing = gguf_blocks.unsupported_types(gguf)
+        if not missing:
+            say(f"reading GGUF {path.name} (its blocks, memory-mapped)")
+            model = gguf_blocks.load(gguf, DTYPES[dtype])
+            return model, gguf.config, build_tokenizer(gguf.metadata, gguf.architecture)
+        if quant == "blocks":
+            raise ModelLoadError(f"{path}: no block kernel for {', '.join(missing)} (use --quant int8)")
+    int8 = quant in ("auto", "int8")
     if int8:
         cached = weight_cache.load(path, dtype, torch_models.build, say)
         if cached is not None:

@@ -125,9 +125,9 @@ def drop_ends(model: nn.Module, first: bool, last: bool) -> None:
     """Release the head a stage before the last never runs, and the embedding only the first and a
     tied float head read (after quantizing: the int8 head is a copy)."""
     if not last:
-        model.head_int8 = None
+        model.head_quantized = None
         model.lm_head = None
-    tied_float_head = last and model.lm_head is None and getattr(model, "head_int8", None) is None
+    tied_float_head = last and model.lm_head is None and getattr(model, "head_quantized", None) is None
     if not first and not tied_float_head:
         weight = model.model.embed_tokens.weight
         model.model.embed_tokens.weight = nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)

@@ -101,6 +101,14 @@ def test_int8_perplexity_is_close_to_float32_on_smollm2(smollm2_gguf, tmp_path):
     assert torch_row["relative_change_pct"] == pytest.approx(change, abs=1e-3)
     assert abs(change) < 5.0  # ~1% here; the default's gate is DEFAULT_LIMIT_PCT
     assert torch_row["default_ok"] is (abs(change) <= DEFAULT_LIMIT_PCT) and report["default_ok"] is torch_row["default_ok"]
+    blocks = torch_row["blocks"]  # the GGUF on its own Q4_1 blocks, the CPU default
+    assert blocks["quant"] == "blocks" and blocks["kernels"]["linear"].startswith("block_gemm")
+    assert blocks["scored_tokens"] == 255 and abs(torch_row["blocks_change_pct"]) < 5.0
+    llama = report["llama_cpp"]  # the same token ids through llama.cpp, where it is installed
+    if "perplexity" in llama:
+        assert abs(llama["blocks_vs_llama_cpp_pct"]) < 2.0, llama  # the same block arithmetic as ours
+    else:
+        assert "skipped" in llama
     replies = torch_row["replies"]
     assert replies["count"] == 1 and replies["identical"] == f"{replies['identical_count']} / 1"
     assert report["text"]["tokens"] == 256 and report["text"]["files"][0] == "colorsys.py"

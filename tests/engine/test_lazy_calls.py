@@ -58,12 +58,15 @@ def engine(smollm2_engine):
         smollm2_engine.controller = kept
 
 
-def serial_and_drafted(engine, ids: list[int], grammar: str | None, params=GREEDY, max_tokens: int = 50):
+def serial_and_drafted(engine, ids: list[int], grammar: str | None, params=GREEDY, max_tokens: int = 50,
+                       held: bool = True):
+    """`held`: some drafts must also be accepted (a call the model copies); prose may accept none,
+    its rows still chosen in verify passes of several rows."""
     config = GenerationConfig(params=params, max_tokens=max_tokens, grammar=grammar)
     serial = engine.generate(ids, GenerationConfig(params=params, max_tokens=max_tokens, grammar=grammar, draft=False))
     drafted = engine.generate(ids, config)
     assert drafted.tokens == serial.tokens, (drafted.text, serial.text)
-    assert drafted.stats.drafted > 0 and drafted.stats.accepted > 0  # drafts were verified, and some held
+    assert drafted.stats.drafted > 0 and (drafted.stats.accepted > 0 or not held)  # drafts were verified
     return drafted
 
 
@@ -108,7 +111,7 @@ COPY = ("Repeat this line exactly: the quick brown fox jumps over the lazy dog, 
 def test_a_reply_that_never_starts_a_call_is_the_reply_without_the_grammar(engine, messages, params):
     ids, grammar = prompt_and_grammar(engine.tokenizer, messages)
     free = engine.generate(ids, GenerationConfig(params=params, max_tokens=40, draft=False))
-    constrained = serial_and_drafted(engine, ids, grammar, params, max_tokens=40)
+    constrained = serial_and_drafted(engine, ids, grammar, params, max_tokens=40, held=False)
     assert constrained.tokens == free.tokens
     assert parse_output(free.text, tools=TOOLS)[1] == []
 

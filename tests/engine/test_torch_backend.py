@@ -76,11 +76,10 @@ def smollm2_torch(smollm2_gguf: Path) -> Engine:
 
 
 def test_smollm2_logits_match_mlx(smollm2_gguf, smollm2_torch):
-    """Float weights: the two backends compute the same model. int8 (the default on both): the
-    same integer weights, activations rounded per backend (torch: 8 bits per block of 64), so
-    close but not bit-equal: wherever the float model's top two tokens are half a logit apart or
-    more, both pick its token (here torch parts from it at 5 of 40 positions, every one closer
-    than 0.42 logits; MLX at 2)."""
+    """Float weights: the two backends compute the same model. Quantized (the default on both: torch
+    on the file's Q4_1 blocks with int8 activations per block of 32, MLX on int8 weights): rounded
+    differently, so close but not bit-equal: wherever the float model's top two tokens are half a
+    logit apart or more, both pick its token."""
     prompt = chat_ids(smollm2_torch.tokenizer, "Write a Python function that reverses a string.")
     mlx = MLXBackend(load_model(smollm2_gguf), quant="none")
     torch_float = TorchBackend(load_torch_model(smollm2_gguf, device="cpu"), quant="none")
@@ -97,12 +96,11 @@ def test_smollm2_logits_match_mlx(smollm2_gguf, smollm2_torch):
     mlx_int8 = MLXBackend(load_model(smollm2_gguf))
     a = smollm2_torch.backend.forward(prompt, smollm2_torch.backend.new_cache())
     b = mlx_int8.forward(prompt, mlx_int8.new_cache())
-    assert float(np.mean(a.argmax(-1) == b.argmax(-1))) > 0.9
     top_two = np.sort(theirs, axis=-1)[:, -2:]
     decided = top_two[:, 1] - top_two[:, 0] >= 0.5
     assert decided.sum() > 0.75 * len(prompt)
-    for int8 in (a, b):
-        assert np.array_equal(int8.argmax(-1)[decided], theirs.argmax(-1)[decided])
+    for quantized in (a, b):
+        assert np.array_equal(quantized.argmax(-1)[decided], theirs.argmax(-1)[decided])
 
 
 def test_smollm2_selfcheck_allows_wide_passes(smollm2_torch):

@@ -48,13 +48,13 @@ def int8_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def test_second_load_reads_the_cache_and_is_the_same_model(tiny_gguf: Path, cache_home: Path):
     said: list[str] = []
-    first = load_torch_model(tiny_gguf, device="cpu", progress=said.append, int8=True)
+    first = load_torch_model(tiny_gguf, device="cpu", progress=said.append, quant="int8")
     assert any("rounding the weights to int8" in line for line in said)
     entries = list((cache_home / "weights").iterdir())
     assert len(entries) == 1 and (entries[0] / "entry.json").exists()
 
     said.clear()
-    second = load_torch_model(tiny_gguf, device="cpu", progress=said.append, int8=True)
+    second = load_torch_model(tiny_gguf, device="cpu", progress=said.append, quant="int8")
     assert any("from the cache" in line for line in said)
     assert not any("dequantizing" in line for line in said)
     a, b = int8_state(first.model), int8_state(second.model)
@@ -69,14 +69,14 @@ def test_second_load_reads_the_cache_and_is_the_same_model(tiny_gguf: Path, cach
 
 def test_cache_off_or_broken_converts_again(tiny_gguf: Path, cache_home: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("AGENTFOLD_WEIGHT_CACHE", "0")
-    load_torch_model(tiny_gguf, device="cpu", int8=True)
+    load_torch_model(tiny_gguf, device="cpu", quant="int8")
     assert not (cache_home / "weights").exists()
     monkeypatch.delenv("AGENTFOLD_WEIGHT_CACHE")
-    load_torch_model(tiny_gguf, device="cpu", int8=True)
+    load_torch_model(tiny_gguf, device="cpu", quant="int8")
     (entry,) = (cache_home / "weights").iterdir()
     (entry / "entry.json").unlink()  # a start killed while writing leaves no entry.json
     said: list[str] = []
-    load_torch_model(tiny_gguf, device="cpu", progress=said.append, int8=True)
+    load_torch_model(tiny_gguf, device="cpu", progress=said.append, quant="int8")
     assert any("dequantizing" in line for line in said)
 
 

@@ -39,7 +39,22 @@ def block_bytes(kind: str, rows: int, cols: int, rng: np.random.Generator, scale
         return quantize((rng.standard_normal((rows, cols)) * scale).astype(np.float32), qtype)
     raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
     raw[:, 1::2] &= 0xBF  # float16 fields: exponent below 31, so finite
+    blocks = raw.reshape(rows, -1, size)
+    for offset, scale_of_one in K_SCALES.get(kind, ()):  # the super-block scales: weights near `scale`
+        blocks[:, :, offset : offset + 2] = np.float16(scale * scale_of_one).reshape(1).view(np.uint8)
     return raw
+
+
+# The float16 super-block scales (d, dmin) of the K-quants the gguf package cannot quantize, by byte
+# offset in the block, as a factor of the weights' typical size: random integers under random
+# scales made weights in the thousands and models whose logits any rounding overturns.
+K_SCALES = {
+    "Q2_K": [(80, 1 / 16), (82, 1 / 32)],
+    "Q3_K": [(108, 1 / 64)],
+    "Q4_K": [(0, 1 / 256), (2, 1 / 128)],
+    "Q5_K": [(0, 1 / 512), (2, 1 / 128)],
+    "Q6_K": [(208, 1 / 1024)],
+}
 
 
 def reference(reader: GGUFReader, name: str) -> np.ndarray:

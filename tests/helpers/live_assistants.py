@@ -58,7 +58,8 @@ def ending_tiny_model(path: Path, smollm2_folder: Path) -> Path:
     folder = tiny_smollm2_folder(path, smollm2_folder, layers=1)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     newline, word = (tokenizer.encode(text).ids[-1] for text in ("\n", REPLY_WORD))
-    end = int(json.loads((folder / "config.json").read_text())["eos_token_id"])
+    ends = json.loads((folder / "config.json").read_text())["eos_token_id"]
+    end = int(ends[0] if isinstance(ends, list) else ends)  # the first: the chat template's end of turn
     weights = load_file(str(folder / "model.safetensors"))
     embed, norm = weights["model.embed_tokens.weight"], weights["model.norm.weight"]
 

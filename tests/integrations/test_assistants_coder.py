@@ -12,6 +12,7 @@ ended in a tool call, then the request carrying its result, served from the cach
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +23,16 @@ from agentfold.bench.harness import ServerProcess
 from tests.helpers.live_assistants import PINNED, client_env, served_turns
 from tests.integrations.test_assistants_live import binary_or_skip, codex_events
 
-pytestmark = pytest.mark.slow
-CLIENT_TIMEOUT_S = 1200  # a cold first turn prefills the assistant's 7-13K-token prompt on 2 cores
+# A cold first turn prefills Codex's 6.5K-token / Claude Code's 13K-token prompt, at ~10 tok/s on the
+# 2-core CI machine (measured: Codex's first turn 625 s): past CI's 60 minutes with the rest of the
+# slow suite, so these run when asked (AGENTFOLD_LIVE_CODER=1), not in `.ci/run`.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("AGENTFOLD_LIVE_CODER") != "1",
+    reason="the real CLIs on the coder model take 15-40 min on 2 cores: set AGENTFOLD_LIVE_CODER=1")]
+CLIENT_TIMEOUT_S = 2400
 NUMBER = "48213"
 NOTES = f"Project notes\n\nThe build cache key for this project is {NUMBER}.\nDo not share it outside the team.\n"
-ASK = "What is the build cache key written in notes.txt? Read the file and answer with the number only."
+ASK = "Read notes.txt and tell me the build cache key written in it."
 FOLLOW_UP = "Thanks. In one short sentence: which file did you read?"
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from agentfold.engine.torch.models import ops
 from agentfold.engine.torch.models.cache import LayerCache
+from agentfold.kernels.block_linear import BlockLinear
 from agentfold.kernels.int8_linear import Int8Weight
 
 
@@ -127,10 +128,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(outputs, inputs), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(outputs), requires_grad=False) if bias else None
-        self.int8: Int8Weight | None = None  # set by `quantize.int8_weights`: the weight ops.linear uses
+        # the weight ops.linear uses once quantized: int8 (`quantize.int8_weights`) or the GGUF's blocks (`gguf_blocks`)
+        self.quantized: Int8Weight | BlockLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.int8 if self.int8 is not None else self.weight, self.bias)
+        return ops.linear(x, self.quantized if self.quantized is not None else self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -252,10 +254,10 @@ class MLP(nn.Module):
 class Fused(nn.Module):
     """Linears that read the same input, as one GEMM whose output columns are split afterwards."""
 
-    def __init__(self, linears: list[Linear], weight: Int8Weight | torch.Tensor) -> None:
+    def __init__(self, linears: list[Linear], weight: Int8Weight | BlockLinear | torch.Tensor) -> None:
         super().__init__()
         self.weight = weight
-        self.sizes = [linear.weight.shape[0] if linear.int8 is None else linear.int8.shape[0] for linear in linears]
+        self.sizes = [linear.weight.shape[0] if linear.quantized is None else linear.quantized.shape[0] for linear in linears]
         biases = [linear.bias for linear in linears]
         if all(b is None for b in biases):
             self.bias = None
@@ -305,7 +307,7 @@ class Transformer(nn.Module):
         self.model = Backbone(args, layers, self.norm_class)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
         self.rope = Rope(args.head_dim, args.rope_theta)
-        self.head_int8: Int8Weight | None = None  # the output head as int8 (tied heads too)
+        self.head_quantized: Int8Weight | BlockLinear | None = None  # the output head, quantized (tied heads too)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The hidden states [m, hidden] the first layer reads for tokens [m]."""
@@ -384,6 +386,6 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [m, vocab] of the last layer's hidden states h [m, hidden]."""
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        if self.head_int8 is not None:
-            head = self.head_int8
+        if self.head_quantized is not None:
+            head = self.head_quantized
         return ops.linear(self.model.norm(h), head).float()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from agentfold.kernels import int8_linear, rowwise, torch_cpu
+from agentfold.kernels.block_linear import BlockLinear
 from agentfold.kernels.int8_linear import Int8Weight
 
 if TYPE_CHECKING:
@@ -33,8 +34,13 @@ def _triton():
     return triton_ops
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, k] @ weight[n, k].T (+ bias) -> [m, n]; int8 weights run the integer GEMM (exact by construction)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | BlockLinear,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ weight[n, k].T (+ bias) -> [m, n]; int8 weights and GGUF blocks run integer GEMMs
+    (exact by construction)."""
+    if isinstance(weight, BlockLinear):
+        y = weight.linear(x, bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
     if isinstance(weight, Int8Weight):
         y = int8_linear.linear(x, weight, bias)
         return y if y.dtype == x.dtype else y.to(x.dtype)

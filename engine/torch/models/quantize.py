@@ -15,7 +15,7 @@ from torch import nn
 from agentfold.engine.torch.models.llama import MLP, Attention, Fused, Linear
 from agentfold.kernels.int8_linear import Int8Weight, concat, pack, quantize_weight
 
-MODES = ("int8", "none")
+MODES = ("int8", "blocks", "none")  # blocks: a GGUF's own blocks (`gguf_blocks`, attached at load)
 
 
 HEAD = "head"  # the key of a tied output head's int8 weight in `given` / `record`
@@ -31,44 +31,46 @@ def int8_weights(model: nn.Module, given: dict[str, Int8Weight] | None = None,
     before fusing, for that cache to store.
     """
     if getattr(model, "quantized", None) == "int8":
-        return model.int8_bytes
+        return model.quantized_bytes
+    if getattr(model, "quantized", None) == "blocks":  # already on the file's own blocks
+        return model.quantized_bytes
     given = given or {}
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
     for name, linear in linears:
-        linear.int8 = given[name] if name in given else quantize_weight(linear.weight)
+        linear.quantized = given[name] if name in given else quantize_weight(linear.weight)
         if record is not None:
-            record[name] = linear.int8
+            record[name] = linear.quantized
         linear.weight = nn.Parameter(torch.empty(0, linear.weight.shape[1]), requires_grad=False)
     linears = [linear for _, linear in linears]
-    total = sum(linear.int8.nbytes() for linear in linears)
+    total = sum(linear.quantized.nbytes() for linear in linears)
     for module in list(model.modules()):
         if isinstance(module, Attention):
             module.qkv = _fuse([module.q_proj, module.k_proj, module.v_proj])
         elif isinstance(module, MLP):
             module.gate_up = _fuse([module.gate_proj, module.up_proj])
     if model.lm_head is not None:
-        model.head_int8 = model.lm_head.int8
+        model.head_quantized = model.lm_head.quantized
     else:
-        model.head_int8 = given.get(HEAD) or quantize_weight(model.model.embed_tokens.weight)
+        model.head_quantized = given.get(HEAD) or quantize_weight(model.model.embed_tokens.weight)
         if record is not None:
-            record[HEAD] = model.head_int8
-        total += model.head_int8.nbytes()
+            record[HEAD] = model.head_quantized
+        total += model.head_quantized.nbytes()
     for weight in {id(w): w for w in _int8_weights(model)}.values():
         pack(weight)
-    model.quantized, model.int8_bytes = "int8", total
+    model.quantized, model.quantized_bytes = "int8", total
     return total
 
 
 def _int8_weights(model: nn.Module) -> list[Int8Weight]:
     """Every int8 weight a pass multiplies by: the linears' (fused ones included) and the head."""
-    found = [m.int8 for m in model.modules() if isinstance(m, Linear) and m.int8 is not None]
+    found = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
     found += [m.weight for m in model.modules() if isinstance(m, Fused) and isinstance(m.weight, Int8Weight)]
-    return [*found, model.head_int8]
+    return [*found, model.head_quantized]
 
 
 def _fuse(parts: list[Linear]) -> Fused:
     """One GEMM for `parts`; their own int8 copies are released (the fused one replaces them)."""
-    fused = Fused(parts, concat([part.int8 for part in parts]))
+    fused = Fused(parts, concat([part.quantized for part in parts]))
     for part in parts:
-        part.int8 = None
+        part.quantized = None
     return fused

@@ -1,0 +1,596 @@
+/* Linear layers on a GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): y = x W^T,
+ * exact by construction, reading the weights in the bytes the file holds them.
+ *
+ * Activations are quantized per row and per block as llama.cpp does: for the K-quants per block of
+ * 256 (an int8 q = rint(x * 127 / amax), a float scale dx = amax / 127, and the sums of q per 16,
+ * llama.cpp's Q8_K), for the others per block of 32 (the same with the sum per 32, llama.cpp's
+ * Q8_0 / Q8_1). q is in [-127, 127].
+ *
+ * Each output y[r][c] is then, per weight block b in order along K, an integer dot product of the
+ * block's weight integers with the row's q (exact in int32 whatever the vector width or order:
+ * |pair sums| <= 2 * 63 * 127 < 2^15 in vpmaddubsw, and a block's total < 2^27), combined with
+ * the block's float scales by a fixed chain of IEEE operations (no fused multiply-add):
+ *
+ *   Q4_K, Q5_K  a = dx * d;  acc = acc + a * isum;  m = dx * dmin;  acc = acc - m * msum
+ *   Q6_K, Q4_0, Q5_0, Q8_0   a = dx * d;  acc = acc + a * isum     (isum holds the -32 / -8 / -16 offset)
+ *   Q4_1, Q5_1  a = dx * d;  acc = acc + a * isum;  m = dx * min;  acc = acc + m * sum(q of the block)
+ *
+ * where isum = sum_j scale_j * (q_w . q_x over sub-block j) and msum = sum_j min_j * sum_x(j) for the
+ * K-quants' 6-bit sub-block scales and mins, and acc starts at 0 (then y = acc, or acc + bias). The
+ * chain of output c reads only c's weights and row r's activations, so a row's bits never depend on
+ * the other rows of a pass, the thread that ran it, or the path: the AVX2 code computes 8 outputs'
+ * chains in the 8 lanes of a vector, lane by lane the same operations as the portable C, whose
+ * integers it gives exactly (tests/kernels/test_block_gemm.py compares the two paths bit for bit).
+ *
+ * Work is split by groups of 8 output channels (one pool task covers several); within a group,
+ * each weight block is unpacked once into small integers (u8, 0..63) and scale vectors, then used
+ * for every row, so a verify pass of 16 rows reads the weights once.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+
+#if defined(BLOCK_GEMM_FORCE_PORTABLE) || !defined(__AVX2__)
+#define BG_AVX2 0
+#else
+#define BG_AVX2 1
+#endif
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* ggml's type ids (gguf.constants.GGMLQuantizationType) */
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+#define GROUP 8   /* output channels a task's chains advance together */
+#define QK 256    /* K-quant super-block */
+#define Q32 32    /* legacy block */
+#define MAX_SUB 16
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) {
+                mant <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__) && !defined(BLOCK_GEMM_FORCE_PORTABLE)
+    return _cvtsh_ss(h); /* the same exact conversion in one instruction */
+#else
+    return half_to_float(h);
+#endif
+}
+
+/* Which block sizes a type has: values per block, bytes per block; 0 for a type not handled here. */
+int block_gemm_block(int type, int64_t *values, int64_t *bytes) {
+    switch (type) {
+    case T_Q4_0: *values = 32, *bytes = 18; return 1;
+    case T_Q4_1: *values = 32, *bytes = 20; return 1;
+    case T_Q5_0: *values = 32, *bytes = 22; return 1;
+    case T_Q5_1: *values = 32, *bytes = 24; return 1;
+    case T_Q8_0: *values = 32, *bytes = 34; return 1;
+    case T_Q4_K: *values = 256, *bytes = 144; return 1;
+    case T_Q5_K: *values = 256, *bytes = 176; return 1;
+    case T_Q6_K: *values = 256, *bytes = 210; return 1;
+    default: return 0;
+    }
+}
+
+int block_gemm_avx2(void) { return BG_AVX2; }
+
+static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+/* ---- activations ----------------------------------------------------------------------------- */
+
+/* One row's blocks of `size` values: q = rint(x * (127 / amax)), d = amax / 127 (0 for an all-zero
+ * block), and the sums of q per 16 values (sum16). Scalar C on every path: the same bits. */
+static void quantize_blocks(const float *x, int64_t k, int64_t size, int8_t *q, float *d, int16_t *sum16) {
+    for (int64_t b = 0; b < k / size; b++) {
+        const float *v = x + b * size;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < size; i++) {
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+        }
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        for (int64_t i = 0; i < size; i++) {
+            float r = rintf(v[i] * id);
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            q[b * size + i] = (int8_t)r;
+        }
+        for (int64_t s = 0; s < size / 16; s++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += q[b * size + s * 16 + i];
+            sum16[b * size / 16 + s] = (int16_t)sum;
+        }
+    }
+}
+
+/* A row's activations in one block size: int8 values [k], scales [k / size], sums per 16 [k / 16]. */
+struct acts {
+    const int8_t *q;
+    const float *d;
+    const int16_t *s16;
+};
+
+/* ---- unpacking a block of 8 channels ----------------------------------------------------------- */
+
+/* A weight block of GROUP channels unpacked: w[c][i] the unsigned weight integers (u8; for Q8_0 the
+ * signed values), sc[c][j] the sub-block scales, mn[c][j] the mins (K-quants), and the float scales. */
+struct unpacked {
+    uint8_t w[GROUP][QK] __attribute__((aligned(32)));
+    int16_t sc[GROUP][MAX_SUB];
+    int16_t mn[GROUP][MAX_SUB];
+    float d[GROUP], dm[GROUP];
+    int subs, sub_len, offset; /* sub-blocks, their length, the constant subtracted from w (0, 8, 16, 32) */
+    /* AVX2 path, the K-quants: the scales (sv) and mins (mv) as int16 in "lane order": the 32 values
+     * 32v .. 32v + 31 of a block take element v of the low 128-bit lane for their first 16 and of the
+     * high lane for their last 16 (Q4_K / Q5_K: sc[v] in both; Q6_K: sc[2v], sc[2v + 1]). */
+    int16_t sv[GROUP][16] __attribute__((aligned(32)));
+    int16_t mv[GROUP][16] __attribute__((aligned(32)));
+    /* AVX2, one row (from_raw): Q4_K / Q6_K integers read from the blocks themselves (raw[c]), never
+     * stored: each is used once. */
+    int from_raw;
+    const uint8_t *raw[GROUP];
+};
+
+static const uint8_t zero_block[256] __attribute__((aligned(32)));
+
+static void k4_scale_min(int j, const uint8_t *s, int16_t *sc, int16_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+#if BG_AVX2
+/* A Q4_K or Q6_K block's 256 weight integers as 8 vectors of 32 (values 32v .. 32v + 31), straight
+ * from the block: what unpack_one's loops write. 16-bit shifts: the masks drop what crosses a byte. */
+static inline void k_weights(int type, const uint8_t *blk, __m256i *w8) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+    if (type == T_Q4_K) {
+        for (int t = 0; t < 4; t++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * t));
+            w8[2 * t] = _mm256_and_si256(v, low4);
+            w8[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        return;
+    }
+    for (int half = 0; half < 2; half++) { /* Q6_K */
+        const uint8_t *l8 = blk + 64 * half, *h8 = blk + 128 + 32 * half;
+        __m256i a = _mm256_loadu_si256((const __m256i *)l8), b = _mm256_loadu_si256((const __m256i *)(l8 + 32));
+        __m256i h = _mm256_loadu_si256((const __m256i *)h8);
+        __m256i *o = w8 + 4 * half;
+        o[0] = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), two));
+        o[1] = _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), two));
+        o[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(h, two));
+        o[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
+                               _mm256_and_si256(_mm256_srli_epi16(h, 2), two));
+    }
+}
+
+static inline int raw_k(int type) { return type == T_Q4_K || type == T_Q6_K; }
+
+/* The weight integers of the common types with AVX2 (the same bytes unpack_one's loops write):
+ * 1 for a type it unpacked, 0 for one left to the loops. */
+static int unpack_ints_avx2(int type, const uint8_t *blk, uint8_t *w) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    switch (type) {
+    case T_Q4_0:
+    case T_Q4_1: {
+        __m128i v = _mm_loadu_si128((const __m128i *)(blk + (type == T_Q4_0 ? 2 : 4)));
+        _mm_store_si128((__m128i *)w, _mm_and_si128(v, _mm_set1_epi8(0x0F)));
+        _mm_store_si128((__m128i *)(w + 16), _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)));
+        return 1;
+    }
+    case T_Q4_K:
+    case T_Q6_K: {
+        __m256i w8[8];
+        k_weights(type, blk, w8);
+        for (int v = 0; v < 8; v++) _mm256_store_si256((__m256i *)(w + 32 * v), w8[v]);
+        return 1;
+    }
+    case T_Q5_K: {
+        const uint8_t *qs = blk + 48;
+        __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16)), fifth = _mm256_set1_epi8(0x10);
+        for (int t = 0; t < 4; t++) { /* bit 2t (2t + 1) of qh[l]: the fifth bit of lo (hi) */
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * t));
+            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * t))), b1 = _mm256_set1_epi8((char)(2 << (2 * t)));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), fifth));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), fifth));
+            _mm256_store_si256((__m256i *)(w + 64 * t), lo);
+            _mm256_store_si256((__m256i *)(w + 64 * t + 32), hi);
+        }
+        return 1;
+    }
+    default:
+        return 0;
+    }
+}
+#endif
+
+static void unpack_one(int type, const uint8_t *blk, struct unpacked *u, int c) {
+    uint8_t *w = u->w[c];
+#if BG_AVX2
+    u->raw[c] = blk;
+    if ((u->from_raw && raw_k(type)) || unpack_ints_avx2(type, blk, w)) { /* the scales as the loops set them */
+        switch (type) {
+        case T_Q4_0: u->d[c] = f16_at(blk), u->dm[c] = 0.0f; return;
+        case T_Q4_1: u->d[c] = f16_at(blk), u->dm[c] = f16_at(blk + 2); return;
+        case T_Q4_K:
+        case T_Q5_K: { /* k4_scale_min's bit fields, four bytes at a time */
+            uint32_t s0, s1, s2, sc[2], mn[2];
+            memcpy(&s0, blk + 4, 4), memcpy(&s1, blk + 8, 4), memcpy(&s2, blk + 12, 4);
+            sc[0] = s0 & 0x3F3F3F3Fu, mn[0] = s1 & 0x3F3F3F3Fu;
+            sc[1] = (s2 & 0x0F0F0F0Fu) | (((s0 >> 6) & 0x03030303u) << 4);
+            mn[1] = ((s2 >> 4) & 0x0F0F0F0Fu) | (((s1 >> 6) & 0x03030303u) << 4);
+            __m128i scales = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc));
+            __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+            _mm256_store_si256((__m256i *)u->sv[c], _mm256_broadcastsi128_si256(scales));
+            _mm256_store_si256((__m256i *)u->mv[c], _mm256_broadcastsi128_si256(mins));
+            u->d[c] = f16_at(blk), u->dm[c] = f16_at(blk + 2);
+            return;
+        }
+        case T_Q6_K: { /* int8 scales 0..15 -> evens in the low lane, odds in the high one */
+            const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+            __m128i scales = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), evens_odds);
+            _mm256_store_si256((__m256i *)u->sv[c], _mm256_cvtepi8_epi16(scales));
+            u->d[c] = f16_at(blk + 208), u->dm[c] = 0.0f;
+            return;
+        }
+        }
+    }
+#endif
+    switch (type) {
+    case T_Q4_0:
+    case T_Q4_1: {
+        const uint8_t *qs = blk + (type == T_Q4_0 ? 2 : 4);
+        for (int i = 0; i < 16; i++) w[i] = qs[i] & 0xF, w[i + 16] = qs[i] >> 4;
+        u->d[c] = f16_at(blk);
+        u->dm[c] = type == T_Q4_1 ? f16_at(blk + 2) : 0.0f;
+        break;
+    }
+    case T_Q5_0:
+    case T_Q5_1: {
+        int base = type == T_Q5_0 ? 2 : 4;
+        uint32_t qh;
+        memcpy(&qh, blk + base, 4);
+        const uint8_t *qs = blk + base + 4;
+        for (int i = 0; i < 16; i++) {
+            w[i] = (uint8_t)((qs[i] & 0xF) | (((qh >> i) & 1) << 4));
+            w[i + 16] = (uint8_t)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+        }
+        u->d[c] = f16_at(blk);
+        u->dm[c] = type == T_Q5_1 ? f16_at(blk + 2) : 0.0f;
+        break;
+    }
+    case T_Q8_0:
+        memcpy(w, blk + 2, 32);
+        u->d[c] = f16_at(blk);
+        u->dm[c] = 0.0f;
+        break;
+    case T_Q4_K:
+    case T_Q5_K: {
+        const uint8_t *scales = blk + 4, *qh = blk + 16, *qs = blk + (type == T_Q4_K ? 16 : 48);
+        for (int t = 0; t < 4; t++) {
+            for (int l = 0; l < 32; l++) {
+                uint8_t lo = qs[32 * t + l] & 0xF, hi = qs[32 * t + l] >> 4;
+                if (type == T_Q5_K) {
+                    lo |= ((qh[l] >> (2 * t)) & 1) << 4;
+                    hi |= ((qh[l] >> (2 * t + 1)) & 1) << 4;
+                }
+                w[64 * t + l] = lo, w[64 * t + 32 + l] = hi;
+            }
+        }
+        for (int j = 0; j < 8; j++) k4_scale_min(j, scales, &u->sc[c][j], &u->mn[c][j]);
+        u->d[c] = f16_at(blk);
+        u->dm[c] = f16_at(blk + 2);
+        break;
+    }
+    case T_Q6_K: {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *l8 = ql + 64 * h, *h8 = qh + 32 * h;
+            uint8_t *o = w + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (uint8_t)((l8[l] & 0xF) | ((h8[l] & 3) << 4));
+                o[l + 32] = (uint8_t)((l8[l + 32] & 0xF) | (((h8[l] >> 2) & 3) << 4));
+                o[l + 64] = (uint8_t)((l8[l] >> 4) | (((h8[l] >> 4) & 3) << 4));
+                o[l + 96] = (uint8_t)((l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4));
+            }
+        }
+        for (int j = 0; j < 16; j++) u->sc[c][j] = scales[j];
+        u->d[c] = f16_at(blk + 208);
+        u->dm[c] = 0.0f;
+        break;
+    }
+    }
+}
+
+static void unpack(int type, const uint8_t *first, int64_t row_bytes, int64_t blk_bytes, int64_t b, int channels,
+                   struct unpacked *u) {
+    u->subs = type == T_Q6_K ? 16 : (type == T_Q4_K || type == T_Q5_K ? 8 : 1);
+    u->sub_len = type == T_Q6_K ? 16 : 32;
+    u->offset = type == T_Q6_K ? 32 : (type == T_Q4_0 ? 8 : (type == T_Q5_0 ? 16 : 0));
+    for (int c = 0; c < GROUP; c++) {
+        if (c < channels) {
+            unpack_one(type, first + c * row_bytes + b * blk_bytes, u, c);
+        } else { /* a short group's missing channels: zeros, never stored */
+            memset(u->w[c], 0, sizeof u->w[c]);
+            memset(u->sc[c], 0, sizeof u->sc[c]);
+            memset(u->mn[c], 0, sizeof u->mn[c]);
+            memset(u->sv[c], 0, sizeof u->sv[c]);
+            memset(u->mv[c], 0, sizeof u->mv[c]);
+            u->raw[c] = zero_block;
+            u->d[c] = u->dm[c] = 0.0f;
+        }
+    }
+}
+
+/* ---- the integers of one block: isum (scales and offset applied) and the second term ----------- */
+
+/* Portable: isum[c] = sum_j sc_j * sum_i (w - offset) q over sub-block j (sc = 1 for legacy types),
+ * second[c] = msum (K-quants' mins) or the block's sum of q (Q4_1 / Q5_1). */
+static inline void block_ints_portable(int type, const struct unpacked *u, const int8_t *q, const int16_t *s16,
+                                int32_t *isum, int32_t *second) {
+    int signed_w = type == T_Q8_0;
+    for (int c = 0; c < GROUP; c++) {
+        int32_t total = 0, mins = 0;
+        for (int j = 0; j < u->subs; j++) {
+            int32_t dot = 0, qsum = 0;
+            for (int i = 0; i < u->sub_len; i++) {
+                int idx = j * u->sub_len + i;
+                int32_t wv = signed_w ? (int8_t)u->w[c][idx] : u->w[c][idx];
+                dot += wv * q[idx];
+                qsum += q[idx];
+            }
+            dot -= u->offset * qsum;
+            total += (is_k(type) ? u->sc[c][j] : 1) * dot;
+            if (type == T_Q4_K || type == T_Q5_K) mins += u->mn[c][j] * qsum;
+            else if (type == T_Q4_1 || type == T_Q5_1) mins += qsum;
+        }
+        isum[c] = total, second[c] = mins;
+        (void)s16;
+    }
+}
+
+#if BG_AVX2
+/* Lane c: the sum of v[c]'s eight int32 (exact, any order). */
+static inline __m256i sums_of_8(const __m256i *v) {
+    __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* The same integers as block_ints_portable, 8 channels in the 8 lanes of isum / second: 32 values at
+ * a time with vpmaddubsw (u8 weights, s8 activations: pair sums <= 2 * 63 * 127, never saturating),
+ * vpmaddwd with the scales (or ones), and the offsets and mins from the row's sums per 16. */
+static void block_ints_avx2(int type, const struct unpacked *u, const int8_t *q, const int16_t *s16,
+                            __m256i *isum, __m256i *second) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[GROUP];
+    if (!is_k(type)) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)q);
+        for (int c = 0; c < GROUP; c++) {
+            __m256i w = _mm256_load_si256((const __m256i *)u->w[c]);
+            __m256i p = type == T_Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+                                       : _mm256_maddubs_epi16(w, x); /* Q8_0: |w| * (x sgn w) */
+            acc[c] = _mm256_madd_epi16(p, ones);
+        }
+        /* one sub-block of 32: the offset and the second term are the block's sum of q, any channel */
+        int32_t qsum = s16[0] + s16[1];
+        *isum = _mm256_sub_epi32(sums_of_8(acc), _mm256_set1_epi32(u->offset * qsum));
+        *second = _mm256_set1_epi32(type == T_Q4_1 || type == T_Q5_1 ? qsum : 0);
+        return;
+    }
+    /* the row's 16 sums per 16 in lane order (evens low, odds high), for vpmaddwd with sv / mv */
+    const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    __m256i sums = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)s16), pairs),
+                                            0xD8);
+    __m256i x[8], pick[8], mins[GROUP];
+    for (int v = 0; v < 8; v++) {
+        x[v] = _mm256_loadu_si256((const __m256i *)(q + 32 * v));
+        pick[v] = _mm256_set1_epi16((int16_t)(0x0100 * (2 * v + 1) + 2 * v)); /* int16 element v of each lane */
+    }
+    int from_raw = u->from_raw && raw_k(type);
+    for (int c = 0; c < GROUP; c++) {
+        __m256i total = _mm256_setzero_si256(), scales = _mm256_load_si256((const __m256i *)u->sv[c]), w8[8];
+        if (from_raw) k_weights(type, u->raw[c], w8);
+        for (int v = 0; v < 8; v++) {
+            __m256i w = from_raw ? w8[v] : _mm256_load_si256((const __m256i *)(u->w[c] + 32 * v));
+            __m256i p = _mm256_maddubs_epi16(w, x[v]);
+            total = _mm256_add_epi32(total, _mm256_madd_epi16(p, _mm256_shuffle_epi8(scales, pick[v])));
+        }
+        if (u->offset) /* Q6_K: minus 32 * sum_i sc_i * (sum of q over the 16 values of scale i) */
+            total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums), 5));
+        acc[c] = total;
+        mins[c] = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)u->mv[c]), sums);
+    }
+    *isum = sums_of_8(acc);
+    *second = sums_of_8(mins); /* zeros for Q6_K (no mins) */
+}
+
+/* acc[c] advanced by one block of row r (dx its activation scale): lane by lane the portable chain. */
+static inline void chain_avx2(int type, const struct unpacked *u, float dx, __m256i isum, __m256i second,
+                              float *acc) {
+    __m256 x = _mm256_set1_ps(dx);
+    __m256 a = _mm256_mul_ps(x, _mm256_loadu_ps(u->d));
+    __m256 s = _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_mul_ps(a, _mm256_cvtepi32_ps(isum)));
+    if (type == T_Q4_K || type == T_Q5_K || type == T_Q4_1 || type == T_Q5_1) {
+        __m256 t = _mm256_mul_ps(_mm256_mul_ps(x, _mm256_loadu_ps(u->dm)), _mm256_cvtepi32_ps(second));
+        s = (type == T_Q4_K || type == T_Q5_K) ? _mm256_sub_ps(s, t) : _mm256_add_ps(s, t);
+    }
+    _mm256_storeu_ps(acc, s);
+}
+#endif
+
+/* ---- the float chain ------------------------------------------------------------------------------ */
+
+/* acc[c] advanced by one block of row r (dx its activation scale); the same operations, in the same
+ * order, on every path (the AVX2 lanes are 8 channels' chains). */
+/* acc[c] advanced by one block of row r (dx its activation scale). */
+static inline void chain(int type, const struct unpacked *u, float dx, const int32_t *isum, const int32_t *second,
+                         float *acc) {
+    for (int c = 0; c < GROUP; c++) {
+        float a = dx * u->d[c];
+        float s = acc[c] + a * (float)isum[c];
+        if (type == T_Q4_K || type == T_Q5_K) {
+            float m = dx * u->dm[c];
+            s = s - m * (float)second[c];
+        } else if (type == T_Q4_1 || type == T_Q5_1) {
+            float m = dx * u->dm[c];
+            s = s + m * (float)second[c];
+        }
+        acc[c] = s;
+    }
+}
+
+/* ---- one call: several weight segments side by side, every row ------------------------------------ */
+
+struct job {
+    int64_t m, k;
+    const struct acts *a32, *a256; /* per row */
+    int nseg;
+    const uint8_t *const *data;
+    const int *types;
+    const int64_t *ns, *starts; /* each segment's channels and first output column */
+    const float *bias;
+    float *out;
+    int64_t ldo, groups_per_task, total_groups;
+    const int64_t *group_start; /* first global group of each segment */
+};
+
+static void run_group(const struct job *job, int seg, int64_t g, float *acc, struct unpacked *u) {
+    int type = job->types[seg];
+    int64_t values = 1, bytes = 1;
+    block_gemm_block(type, &values, &bytes);
+    int64_t nb = job->k / values, row_bytes = nb * bytes, first = g * GROUP;
+    int channels = (int)(job->ns[seg] - first < GROUP ? job->ns[seg] - first : GROUP);
+    const uint8_t *w = job->data[seg] + first * row_bytes;
+    const struct acts *a = is_k(type) ? job->a256 : job->a32;
+    memset(acc, 0, sizeof(float) * GROUP * job->m);
+#if BG_AVX2
+    /* The group's rows are one run of memory, read block by block across its 8 rows: ask for the
+     * next group's run now (a decode step streams every weight from DRAM once). */
+    if (first + GROUP < job->ns[seg]) {
+        const char *next = (const char *)(w + GROUP * row_bytes);
+        int64_t next_rows = job->ns[seg] - first - GROUP < GROUP ? job->ns[seg] - first - GROUP : GROUP;
+        for (int64_t off = 0; off < next_rows * row_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+    }
+#endif
+    for (int64_t b = 0; b < nb; b++) {
+        unpack(type, w, row_bytes, bytes, b, channels, u);
+        for (int64_t r = 0; r < job->m; r++) {
+            const int8_t *q = a[r].q + b * values;
+            const int16_t *s16 = a[r].s16 + b * values / 16;
+#if BG_AVX2
+            __m256i isum, second;
+            block_ints_avx2(type, u, q, s16, &isum, &second);
+            chain_avx2(type, u, a[r].d[b], isum, second, acc + r * GROUP);
+#else
+            int32_t isum[GROUP], second[GROUP];
+            block_ints_portable(type, u, q, s16, isum, second);
+            chain(type, u, a[r].d[b], isum, second, acc + r * GROUP);
+#endif
+        }
+    }
+    int64_t col = job->starts[seg] + first;
+    for (int64_t r = 0; r < job->m; r++) {
+        for (int c = 0; c < channels; c++) {
+            float y = acc[r * GROUP + c];
+            job->out[r * job->ldo + col + c] = job->bias ? y + job->bias[col + c] : y;
+        }
+    }
+}
+
+static void run_task(void *context, int64_t t) {
+    const struct job *job = context;
+    struct unpacked *u = aligned_alloc(32, (sizeof(struct unpacked) + 31) / 32 * 32);
+    float *acc = malloc(sizeof(float) * GROUP * (size_t)job->m);
+    if (!u || !acc) abort();
+    u->from_raw = job->m == 1; /* one row: unpacked integers would be used once */
+    for (int64_t g = t * job->groups_per_task; g < (t + 1) * job->groups_per_task && g < job->total_groups; g++) {
+        int seg = 0;
+        while (seg + 1 < job->nseg && g >= job->group_start[seg + 1]) seg++;
+        run_group(job, seg, g - job->group_start[seg], acc, u);
+    }
+    free(u);
+    free(acc);
+}
+
+/* y [m][ldo] = x [m][k] (row stride ldx) times the weights of `nseg` segments (each ns[s] channels of
+ * ggml type types[s], rows of k values, data[s] their blocks), side by side in y's columns, plus
+ * bias (or NULL). Returns 0, or -1 for a type or shape not handled (k not a whole number of blocks),
+ * -2 without memory. Compiled with BLOCK_GEMM_FORCE_PORTABLE, the portable integers and chains run
+ * (the tests build that library too and compare the two bit for bit). */
+int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, const uint8_t *const *data,
+                 const int *types, const int64_t *ns, const float *bias, float *out, int64_t ldo, int threads) {
+    int need32 = 0, need256 = 0;
+    for (int s = 0; s < nseg; s++) {
+        int64_t values = 1, bytes = 1;
+        if (!block_gemm_block(types[s], &values, &bytes) || k % values) return -1;
+        if (is_k(types[s])) need256 = 1;
+        else need32 = 1;
+    }
+    int8_t *q = malloc((size_t)(m * k * 2) + 1);
+    float *d = malloc(sizeof(float) * (size_t)(m * (k / 32 + k / 256) + 1));
+    int16_t *s16 = malloc(sizeof(int16_t) * (size_t)(m * (k / 16) * 2 + 1));
+    struct acts *a = malloc(sizeof(struct acts) * (size_t)(2 * m));
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(2 * nseg + 1));
+    if (!q || !d || !s16 || !a || !starts) {
+        free(q), free(d), free(s16), free(a), free(starts);
+        return -2;
+    }
+    for (int64_t r = 0; r < m; r++) {
+        if (need32) {
+            a[r] = (struct acts){q + r * k, d + r * (k / 32), s16 + r * (k / 16)};
+            quantize_blocks(x + r * ldx, k, 32, (int8_t *)a[r].q, (float *)a[r].d, (int16_t *)a[r].s16);
+        }
+        if (need256) {
+            int8_t *q2 = q + m * k + r * k;
+            float *d2 = d + m * (k / 32) + r * (k / 256);
+            int16_t *s2 = s16 + m * (k / 16) + r * (k / 16);
+            a[m + r] = (struct acts){q2, d2, s2};
+            quantize_blocks(x + r * ldx, k, 256, q2, d2, s2);
+        }
+    }
+    int64_t *group_start = starts + nseg, col = 0, groups = 0;
+    for (int s = 0; s < nseg; s++) {
+        starts[s] = col, group_start[s] = groups;
+        col += ns[s], groups += (ns[s] + GROUP - 1) / GROUP;
+    }
+    int64_t per_task = groups / (threads * 8) > 0 ? groups / (threads * 8) : 1;
+    struct job job = {m, k, a, a + m, nseg, data, types, ns, starts, bias, out, ldo, per_task, groups,
+                      group_start};
+    pool_for(threads, (groups + per_task - 1) / per_task, run_task, &job);
+    free(q), free(d), free(s16), free(a), free(starts);
+    return 0;
+}

@@ -1,0 +1,127 @@
+"""Linear layers on GGUF blocks (kernels/block_linear.py, csrc/block_gemm.c).
+
+Right: against the gguf package's dequantization of the same blocks times activations quantized
+by an independent numpy transcription of the rule (int8 per block of 256 for the K-quants, 32
+otherwise, q = rint(x * 127 / amax)), summed in float64: the kernel's float32 chain may differ
+only by its rounding. Exact by construction: a row's bits are the same alone or among others,
+with 1 or 2 threads, on odd shapes and mixed types, and the AVX2 and portable builds agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from agentfold.kernels import block_linear, native
+from agentfold.kernels.block_linear import BlockLinear, BlockWeight
+from tests.helpers.gguf_files import block_bytes
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+pytestmark = pytest.mark.skipif(block_linear.library() is None, reason="no C compiler")
+
+
+def weight(kind: str, n: int, k: int, seed: int) -> tuple[BlockWeight, np.ndarray]:
+    """A random [n, k] weight of `kind` as blocks, and the gguf package's float values of it."""
+    raw = block_bytes(kind, n, k, np.random.default_rng(seed))
+    values = np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float64).reshape(n, k)
+    return BlockWeight(kind, np.ascontiguousarray(raw).reshape(-1), n, k), values
+
+
+def quantized_activations(x: np.ndarray, size: int) -> np.ndarray:
+    """x as the kernel quantizes it (float32 arithmetic, round half to even), dequantized to float64."""
+    x = x.astype(np.float32)
+    blocks = x.reshape(x.shape[0], -1, size)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), np.float32(0))
+    q = np.clip(np.rint(blocks * inverse.astype(np.float32)), -127, 127)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_each_type_is_the_reference_dot_product(kind: str):
+    k = 512 if kind.endswith("_K") else 160
+    w, values = weight(kind, 21, k, seed=len(kind))
+    x = np.random.default_rng(3).standard_normal((5, k)).astype(np.float32)
+    got = BlockLinear([w]).linear(torch.from_numpy(x)).numpy().astype(np.float64)
+    xq = quantized_activations(x, 256 if kind.endswith("_K") else 32)
+    want = xq @ values.T
+    scale = np.abs(xq) @ np.abs(values).T
+    assert np.all(np.abs(got - want) <= 2e-6 * scale + 1e-30), f"{kind}: max error {np.max(np.abs(got - want) / scale)}"
+    loose = np.abs(x.astype(np.float64) @ values.T - want)  # the quantization itself: far larger
+    assert loose.max() > 1e-4 * scale.max()
+
+
+def mixed() -> tuple[BlockLinear, torch.Tensor]:
+    """q / k / v-like segments of three types, odd channel counts (not multiples of 8), one bias."""
+    parts = [weight("Q4_K", 13, 768, 1)[0], weight("Q6_K", 5, 768, 2)[0], weight("Q5_K", 11, 768, 4)[0]]
+    return BlockLinear(parts), torch.randn(29, generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 37])
+def test_a_row_is_the_same_alone_or_in_a_pass(threads: int, rows: int):
+    gemm, bias = mixed()
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    together = gemm.linear(x, bias)
+    for r in range(rows):
+        assert torch.equal(gemm.linear(x[r : r + 1], bias)[0], together[r]), f"row {r} of {rows}"
+    legacy = BlockLinear([weight("Q8_0", 9, 96, 7)[0], weight("Q4_1", 3, 96, 8)[0], weight("Q5_0", 6, 96, 9)[0]])
+    xs = torch.randn(rows, 96, generator=torch.Generator().manual_seed(100 + rows))
+    both = legacy.linear(xs)
+    assert all(torch.equal(legacy.linear(xs[r : r + 1])[0], both[r]) for r in range(rows))
+
+
+def test_threads_never_change_a_bit():
+    gemm, bias = mixed()
+    x = torch.randn(11, 768, generator=torch.Generator().manual_seed(11))
+    assert torch.equal(gemm.linear(x, bias, threads=1), gemm.linear(x, bias, threads=2))
+
+
+def test_strided_rows_and_bias():
+    gemm, bias = mixed()
+    wide = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1))
+    x = wide[:, 100:868]
+    assert x.stride(0) == 1000
+    assert torch.equal(gemm.linear(x, bias), gemm.linear(x.contiguous(), bias))
+    assert torch.equal(gemm.linear(x, bias), gemm.linear(x.contiguous()) + bias)
+
+
+def test_zero_rows_of_activations_give_zero():
+    gemm, _ = mixed()
+    assert torch.equal(gemm.linear(torch.zeros(2, 768)), torch.zeros(2, 29))
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory):
+    path = native.build(["-DBLOCK_GEMM_FORCE_PORTABLE"], folder=tmp_path_factory.mktemp("portable"))
+    assert path is not None, "the C sources did not compile"
+    lib = ctypes.CDLL(str(path))
+    for function, (argtypes, restype) in block_linear.SIGNATURES.items():
+        getattr(lib, function).argtypes, getattr(lib, function).restype = argtypes, restype
+    assert lib.block_gemm_avx2() == 0
+    return lib
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_avx2_and_portable_give_the_same_bits(portable_library, monkeypatch, rows: int):
+    if not block_linear.library().block_gemm_avx2():
+        pytest.skip("this CPU has no AVX2: only the portable path runs here")
+    for gemm, k in (mixed()[0], 768), (BlockLinear([weight(t, 10, 64, i)[0] for i, t in enumerate(TYPES[:5])]), 64):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        fast = gemm.linear(x)
+        monkeypatch.setattr(block_linear, "library", lambda: portable_library)
+        slow = gemm.linear(x)
+        monkeypatch.undo()
+        assert torch.equal(fast, slow)
+
+
+def test_shapes_it_cannot_run_are_refused():
+    assert not block_linear.supported("Q4_K", 100) and not block_linear.supported("Q2_K", 256)
+    assert block_linear.supported("Q4_K", 1536) and block_linear.supported("Q8_0", 576)
+    with pytest.raises(ValueError):
+        BlockLinear([weight("Q4_K", 8, 256, 1)[0], weight("Q4_0", 8, 64, 1)[0]])
