@@ -150,7 +150,7 @@ def workload_row(runner: LlamaCpp, prompt: Sequence[int], max_tokens: int, stop_
 
 def perplexity(model_path: Path, tokens: Sequence[int], threads: int) -> dict[str, Any]:
     """llama.cpp's perplexity of `tokens` (our tokenizer's ids, so both score the same tokens): its
-    logits for every position (`logits_all`), log-softmax in float64 as `bench.quality` does ours."""
+    logits for every position (`logits_all`), scored by `bench.quality.nll_sum` as ours are."""
     if importlib.util.find_spec("llama_cpp") is None:
         return {"skipped": NOT_INSTALLED}
     if model_path.suffix.lower() != ".gguf" or not model_path.is_file():
@@ -158,20 +158,18 @@ def perplexity(model_path: Path, tokens: Sequence[int], threads: int) -> dict[st
     import llama_cpp
     import numpy as np
 
+    from agentfold.bench.quality import nll_sum
+
     began = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=len(tokens) + 8, n_threads=threads,
                           n_threads_batch=threads, logits_all=True, verbose=False)
     try:
         llm.eval(list(tokens[:-1]))
-        logits = np.asarray(llm.scores[: len(tokens) - 1], dtype=np.float64)
+        mean = nll_sum(llm.scores[: len(tokens) - 1], tokens[1:]) / (len(tokens) - 1)
     finally:
         close = getattr(llm, "close", None)
         if close is not None:
             close()
-    targets = np.asarray(tokens[1:], dtype=np.int64)
-    peak = logits.max(axis=1, keepdims=True)
-    log_norm = peak[:, 0] + np.log(np.exp(logits - peak).sum(axis=1))
-    mean = float((log_norm - logits[np.arange(len(targets)), targets]).mean())
-    return {"perplexity": round(float(np.exp(mean)), 4), "mean_nll": round(mean, 6), "scored_tokens": len(targets),
+    return {"perplexity": round(float(np.exp(mean)), 4), "mean_nll": round(mean, 6), "scored_tokens": len(tokens) - 1,
             "version": getattr(llama_cpp, "__version__", None), "weights": "the GGUF's own tensors, llama.cpp's kernels",
             "seconds": round(time.perf_counter() - began, 3)}

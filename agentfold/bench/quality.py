@@ -86,6 +86,14 @@ def text_tokens(tokenizer: Any, text: str, count: int) -> list[int]:
 # -- measurements -------------------------------------------------------------------------------
 
 
+def nll_sum(logits: Any, targets: Sequence[int]) -> float:
+    """Sum over rows of -log softmax(logits row)[target], in float64 (adds no rounding of its own)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    peak = logits.max(axis=1, keepdims=True)
+    log_norm = peak[:, 0] + np.log(np.exp(logits - peak).sum(axis=1))
+    return float((log_norm - logits[np.arange(len(targets)), np.asarray(targets, dtype=np.int64)]).sum())
+
+
 def perplexity(backend: Any, tokens: Sequence[int], chunk: int = CHUNK_TOKENS) -> dict[str, Any]:
     """exp(mean negative log-likelihood) of tokens[1:] given the ones before, one `forward` per chunk.
 
@@ -101,12 +109,9 @@ def perplexity(backend: Any, tokens: Sequence[int], chunk: int = CHUNK_TOKENS) -
     began = time.perf_counter()
     for start in range(0, len(tokens) - 1, chunk):
         rows = list(tokens[start : min(start + chunk, len(tokens) - 1)])  # the last token is only a target
-        logits = np.asarray(backend.forward(rows, cache), dtype=np.float64)
-        targets = np.asarray(tokens[start + 1 : start + 1 + len(rows)], dtype=np.int64)
-        peak = logits.max(axis=1, keepdims=True)
-        log_norm = peak[:, 0] + np.log(np.exp(logits - peak).sum(axis=1))
-        nll += float((log_norm - logits[np.arange(len(targets)), targets]).sum())
-        scored += len(targets)
+        logits = backend.forward(rows, cache)
+        nll += nll_sum(logits, tokens[start + 1 : start + 1 + len(rows)])
+        scored += len(rows)
     mean = nll / scored
     return {"perplexity": round(math.exp(mean), 4), "mean_nll": round(mean, 6), "scored_tokens": scored,
             "chunk_tokens": chunk, "seconds": round(time.perf_counter() - began, 3)}

@@ -121,8 +121,8 @@ def _block_bytes(model: Any, params: list, float_bytes: int) -> dict[str, Any]:
     `model.quantized_bytes`), the float norms and biases, and one embedding row's blocks a token."""
     table = model.model.embed_tokens  # BlockEmbedding: the file's rows, dequantized when looked up
     row = int(table.raw.shape[1])
-    head_on_table = model.lm_head is None and getattr(model.head_quantized, "weights", [None])[0] is not None and \
-        model.head_quantized.weights[0].data.ctypes.data == table.raw.ctypes.data
+    # a tied head on blocks multiplies the table's own blocks (`gguf_blocks.load`); else an int8 copy
+    head_on_table = model.lm_head is None and hasattr(model.head_quantized, "weights")
     resident = int(model.quantized_bytes) + float_bytes + (0 if head_on_table else int(table.raw.nbytes))
     blocks = {id(value): value for module in model.modules() for value in vars(module).values()
               if hasattr(value, "weights") and hasattr(value, "sizes")}  # BlockLinears, the head's once

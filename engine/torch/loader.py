@@ -192,6 +192,8 @@ def load_torch_model(path: str | Path, dtype: str = "auto", device: str = "auto"
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a folder with config.json)")
+        if quant == "blocks" and target.type != "cpu":
+            raise ModelLoadError(f"{path}: the block kernels run on the CPU (use --quant int8 on {target.type})")
         model, config, tokenizer = _load_gguf(path, dtype, target, quant if target.type == "cpu" else None, say)
     elif path.is_dir():
         if not (path / "config.json").exists():
@@ -218,9 +220,7 @@ def _load_gguf(path: Path, dtype: str, target: torch.device, quant: str | None,
     from agentfold.engine.torch import weight_cache
     from agentfold.engine.torch.models import gguf_blocks, quantize
 
-    if quant == "blocks" and target.type != "cpu":
-        raise ModelLoadError(f"{path}: the block kernels run on the CPU (use --quant int8 on {target.type})")
-    if quant in ("auto", "blocks") and target.type == "cpu":
+    if quant in ("auto", "blocks"):  # (None off the CPU: see load_torch_model)
         try:
             gguf = open_gguf(path)
         except GGUFError as error:

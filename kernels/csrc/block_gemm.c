@@ -432,10 +432,10 @@ static void block_ints_avx2(int type, const struct unpacked *u, const int8_t *q,
         if (u->offset) /* Q6_K: minus 32 * sum_i sc_i * (sum of q over the 16 values of scale i) */
             total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums), 5));
         acc[c] = total;
-        mins[c] = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)u->mv[c]), sums);
+        if (type != T_Q6_K) mins[c] = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)u->mv[c]), sums);
     }
     *isum = sums_of_8(acc);
-    *second = sums_of_8(mins); /* zeros for Q6_K (no mins) */
+    *second = type == T_Q6_K ? _mm256_setzero_si256() : sums_of_8(mins); /* Q6_K has no mins */
 }
 
 /* acc[c] advanced by one block of row r (dx its activation scale): lane by lane the portable chain. */

@@ -60,9 +60,9 @@ class BlockEmbedding(nn.Module):
 
 def block_weight(model: GGUFModel, hf_name: str) -> BlockWeight | None:
     """The HF weight's blocks (rows in HF's order), or None where no block kernel runs its type."""
-    info = model.file.tensors[model.names[hf_name]]
-    if len(info.shape) != 2 or not block_linear.supported(info.type_name, info.shape[1]):
+    if not block_weight_ok(model, hf_name):
         return None
+    info = model.file.tensors[model.names[hf_name]]
     n, k = info.shape
     rows = model.file.raw(model.names[hf_name]).reshape(n, -1)
     ordered = model.rows_in_hf_order(hf_name, rows)  # llama's q / k: a permuted copy; else the map itself
