@@ -141,6 +141,9 @@ class Llama:
     def token_eos(self):
         return 2
 
+    def reset(self):
+        self.resets = getattr(self, "resets", 0) + 1
+
     def generate(self, tokens, top_k=40, top_p=0.95, min_p=0.05, temp=0.8, repeat_penalty=1.0):
         assert temp == 0.0 and top_k == 1 and repeat_penalty == 1.0 and len(tokens) > 0
         reply = REPLY if self.draft_model is None else REPLY[:3] + [8] + REPLY[4:]
@@ -158,16 +161,17 @@ class LlamaPromptLookupDecoding:
 
 @pytest.fixture
 def stand_in_llama_cpp(tmp_path, monkeypatch):
-    """A stand-in `llama_cpp` package on sys.path, gone again (with its modules) after the test."""
-    if importlib.util.find_spec("llama_cpp") is not None:
-        pytest.skip("the real llama-cpp-python is installed")
+    """A stand-in `llama_cpp` package first on sys.path (shadowing a real one), gone again after the test."""
+    names = ("llama_cpp", "llama_cpp.llama_speculative")
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
     package = tmp_path / "site" / "llama_cpp"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(FAKE_LLAMA_CPP)
     (package / "llama_speculative.py").write_text(FAKE_SPECULATIVE)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     yield
-    for name in ("llama_cpp", "llama_cpp.llama_speculative"):
+    for name in names:
         sys.modules.pop(name, None)
 
 
@@ -187,6 +191,7 @@ def test_llama_cpp_row_with_a_stand_in_binding(tmp_path, stand_in_llama_cpp):
     assert row["prompt_lookup"]["completion_tokens"] == 8 and "tokens" not in row["serial"]
     short = bench_llamacpp.decode(runner.serial, [1], max_tokens=4, stop_ids=[])
     assert short["completion_tokens"] == 4 and short["finish_reason"] == "length"
+    assert runner.serial.resets == 2 and runner.lookup.resets == 1  # every decode starts from a clean context
     runner.close()
     assert runner.serial.closed and runner.lookup.closed
 
