@@ -62,6 +62,16 @@ static inline vf madd(vf a, vf b, vf c) {
 static inline vf madd(vf a, vf b, vf c) { return a * b + c; }
 #endif
 
+/* AVX2 with FMA and F16C but no AVX-512: the two hot loops (scores, weighted sums) keep each 16-lane
+ * vector as two AVX registers themselves (`HALVES`). GCC compiles the generic 16-lane type there
+ * through the stack (every operand stored and reloaded: ~5x slower attention over 2K keys on a
+ * 2-core AMD EPYC); the lanes' operations and their order are the same, so are the bits. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HALVES 1
+#else
+#define HALVES 0
+#endif
+
 /* IEEE binary16 <-> float32. Widening is exact; narrowing rounds to nearest, ties to even (as
  * torch's and the CPU's own conversions do), so every path below stores the same bits. */
 static inline float half_to_float(uint16_t h) {
@@ -280,10 +290,46 @@ static void accumulate_range(float *a, const float *weights, int64_t first, cons
 #define SUB 2
 #define CH 2
 #endif
+#if HALVES
+/* accumulate_shared_n's whole chunks for a float16 cache with each vector as two AVX registers
+ * (`HALVES`): the same fused chains, lane by lane, in the same order. */
+static inline __attribute__((always_inline)) void shared_halves(
+    const int64_t n, float *acc, const float *const *weights_of, int64_t first, const uint16_t *values,
+    int64_t from, int64_t to, int64_t d, int64_t whole) {
+    for (int64_t c0 = 0; c0 < whole; c0 += CH * W) {
+        int64_t chunks = (whole - c0) / W < CH ? (whole - c0) / W : CH;
+        __m256 part[SUB][2 * CH];
+        const float *w[SUB];
+        for (int64_t i = 0; i < n; i++) {
+            w[i] = weights_of[i] + (from - first);
+            for (int64_t c = 0; c < 2 * chunks; c++) part[i][c] = _mm256_loadu_ps(acc + i * d + c0 + c * 8);
+        }
+        for (int64_t j = from; j <= to; j++) {
+            if (((j - from) & (W - 1)) == 0) fetch_ahead(values, 1, j + PREFETCH_BLOCKS * W, to, d);
+            const uint16_t *row = values + j * d + c0;
+            __m256 x[2 * CH];
+            for (int64_t c = 0; c < 2 * chunks; c++) x[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 8 * c)));
+            for (int64_t i = 0; i < n; i++) {
+                __m256 weight = _mm256_broadcast_ss(w[i]);
+                w[i]++;
+                for (int64_t c = 0; c < 2 * chunks; c++) part[i][c] = _mm256_fmadd_ps(weight, x[c], part[i][c]);
+            }
+        }
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t c = 0; c < 2 * chunks; c++) _mm256_storeu_ps(acc + i * d + c0 + c * 8, part[i][c]);
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void accumulate_shared_n(
     const int64_t n, float *acc, const float *const *weights_of, int64_t first, const void *values, int64_t half,
     int64_t from, int64_t to, int64_t d) {
     int64_t whole = d - d % W;
+#if HALVES
+    if (half)
+        shared_halves(n, acc, weights_of, first, (const uint16_t *)values, from, to, d, whole);
+    else
+#endif
     for (int64_t c0 = 0; c0 < whole; c0 += CH * W) {
         int64_t chunks = (whole - c0) / W < CH ? (whole - c0) / W : CH;
         vf part[SUB][CH];
@@ -387,6 +433,8 @@ static inline __attribute__((always_inline)) vf key_lanes(const void *block, con
  * widened) once for all of them, their 2 x QUERIES sums in registers (AVX-512: 32 of them). */
 #if defined(__AVX512F__)
 #define QUERIES 8
+#elif HALVES /* 2 x 2 sums of two registers (8), two blocks' elements (4) */
+#define QUERIES 2
 #else
 #define QUERIES 4
 #endif
@@ -397,6 +445,33 @@ static inline __attribute__((always_inline)) vf key_lanes(const void *block, con
 static inline __attribute__((always_inline)) void block_scores(const int n, const int two, const int kh, const float *qv,
                                                                int64_t d, const void *k0, const void *k1,
                                                                vf s[QUERIES][2]) {
+#if HALVES
+    { /* the same fused chains, each vector as two AVX registers (`HALVES`) */
+        __m256 sum[QUERIES][4];
+        for (int i = 0; i < QUERIES; i++) sum[i][0] = sum[i][1] = sum[i][2] = sum[i][3] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c++) {
+            __m256 key[4];
+            for (int h = 0; h <= two; h++) {
+                const void *block = h ? k1 : k0;
+                for (int part = 0; part < 2; part++)
+                    key[2 * h + part] = kh ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)block + c * W + 8 * part)))
+                                           : _mm256_loadu_ps((const float *)block + c * W + 8 * part);
+            }
+            for (int i = 0; i < n; i++) {
+                __m256 q = _mm256_broadcast_ss(qv + i * d + c);
+                for (int x = 0; x < 2 + 2 * two; x++) sum[i][x] = _mm256_fmadd_ps(key[x], q, sum[i][x]);
+            }
+        }
+        for (int i = 0; i < QUERIES; i++)
+            for (int h = 0; h < 2; h++) {
+                float lanes[W];
+                _mm256_storeu_ps(lanes, sum[i][2 * h]);
+                _mm256_storeu_ps(lanes + 8, sum[i][2 * h + 1]);
+                s[i][h] = load(lanes);
+            }
+        return;
+    }
+#endif
     for (int i = 0; i < QUERIES; i++) s[i][0] = s[i][1] = (vf){0};
     for (int64_t c = 0; c < d; c++) {
         vf key0 = key_lanes(k0, kh, c), key1 = two ? key_lanes(k1, kh, c) : (vf){0};
@@ -456,7 +531,13 @@ static inline __attribute__((always_inline)) void attend_queries(
                  : block_scores(N, 0, 0, qv + i0 * d, d, block[0], block[0], s);                         \
         break;
             switch (n) {
-                SCORES(1) SCORES(2) SCORES(3)
+                SCORES(1)
+#if QUERIES > 2
+                SCORES(2)
+#endif
+#if QUERIES > 3
+                SCORES(3)
+#endif
 #if QUERIES > 4
                 SCORES(4) SCORES(5) SCORES(6) SCORES(7)
 #endif
