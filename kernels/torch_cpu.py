@@ -191,7 +191,7 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions:
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _LANE_SIGNATURE = {"lane_attention": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
                                       ctypes.c_float, _I64, ctypes.c_int, _I64, _PTR, _I64, _PTR, _I64, _I64],
-                   "lane_attention_fused": ([], ctypes.c_int)}
+                   "lane_attention_fused": ([], ctypes.c_int), "lane_attention_halves": ([], ctypes.c_int)}
 CACHE_DTYPES = {torch.float32: 0, torch.float16: 1}  # the caches the C kernel reads (value: its `half` flag)
 LaneKV = tuple[int, int, int, torch.Tensor, torch.Tensor]  # rows begin, rows, start, keys, values [kv_heads, cap, d]
 

@@ -66,7 +66,8 @@ static inline vf madd(vf a, vf b, vf c) { return a * b + c; }
  * vector as two AVX registers themselves (`HALVES`). GCC compiles the generic 16-lane type there
  * through the stack (every operand stored and reloaded: ~5x slower attention over 2K keys on a
  * 2-core AMD EPYC); the lanes' operations and their order are the same, so are the bits. */
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
+    !defined(LANE_ATTENTION_NO_HALVES) /* the tests build it without them too, and compare the bits */
 #define HALVES 1
 #else
 #define HALVES 0
@@ -127,6 +128,9 @@ static inline void narrow(const float *from, int64_t half, int64_t count, void *
 #endif
     for (; i < count; i++) h[i] = float_to_half(from[i]);
 }
+
+/* Whether the hot loops run on register halves here (`HALVES`: the same bits either way). */
+int lane_attention_halves(void) { return HALVES; }
 
 /* Whether `madd` is fused here (part of the kernel's name in snapshot keys: other bits). */
 int lane_attention_fused(void) { return FUSED; }

@@ -7,6 +7,8 @@ odd ones (d 24 and 17: a scalar tail; lengths that start and end inside a 16-key
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -105,6 +107,29 @@ def test_blocked_keys_give_the_same_bits(heads, kv_heads, d, window, shape, dtyp
     q, lanes = _pass(heads, kv_heads, d, shape, seed=5, dtype=dtype)
     rows = torch_cpu.lane_attention(q, lanes, 0.125, window)
     assert torch.equal(torch_cpu.lane_attention(q, lanes, 0.125, window, blocked=True), rows)
+
+
+def test_register_halves_give_the_generic_bits(tmp_path, monkeypatch):
+    """On AVX2 the scores and weighted sums keep each 16-lane vector as two AVX registers
+    (`HALVES`); built without them (the generic vectors), every output has the same bits."""
+    if not torch_cpu.lane_library().lane_attention_halves():
+        pytest.skip("this build has no register-halves path (AVX-512, or no AVX2 / F16C)")
+    path = native.build(["-DLANE_ATTENTION_NO_HALVES"], folder=tmp_path)
+    assert path is not None, "the C sources did not compile"
+    generic = ctypes.CDLL(str(path))
+    for function, types in torch_cpu._LANE_SIGNATURE.items():
+        argtypes, restype = types if isinstance(types, tuple) else (types, None)
+        getattr(generic, function).argtypes, getattr(generic, function).restype = argtypes, restype
+    assert generic.lane_attention_halves() == 0
+    for heads, kv_heads, d, window, shape in CASES:
+        for dtype in (torch.float32, torch.float16):
+            q, lanes = _pass(heads, kv_heads, d, shape, seed=9, dtype=dtype)
+            for blocked in (False, True):
+                fast = torch_cpu.lane_attention(q, lanes, 0.125, window, blocked=blocked)
+                monkeypatch.setattr(torch_cpu, "lane_library", lambda: generic)
+                slow = torch_cpu.lane_attention(q, lanes, 0.125, window, blocked=blocked)
+                monkeypatch.undo()
+                assert torch.equal(fast, slow), (d, shape, dtype, blocked)
 
 
 def test_it_declines_what_it_does_not_cover():
