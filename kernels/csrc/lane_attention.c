@@ -270,6 +270,22 @@ static void accumulate_range(float *a, const float *weights, int64_t first, cons
                              int64_t from, int64_t to, int64_t d) {
     if (from > to) return;
     int64_t whole = d - d % W;
+#if HALVES
+    for (int64_t c0 = 0; c0 < whole; c0 += 4 * W) { /* the same, each vector as two AVX registers */
+        int64_t parts = (whole - c0) / W < 4 ? 2 * ((whole - c0) / W) : 8;
+        __m256 part[8];
+        for (int64_t c = 0; c < parts; c++) part[c] = _mm256_loadu_ps(a + c0 + c * 8);
+        for (int64_t j = from; j <= to; j++) {
+            __m256 weight = _mm256_broadcast_ss(weights + (j - first));
+            for (int64_t c = 0; c < parts; c++) {
+                __m256 x = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)values + j * d + c0 + 8 * c)))
+                                : _mm256_loadu_ps((const float *)values + j * d + c0 + 8 * c);
+                part[c] = _mm256_fmadd_ps(weight, x, part[c]);
+            }
+        }
+        for (int64_t c = 0; c < parts; c++) _mm256_storeu_ps(a + c0 + c * 8, part[c]);
+    }
+#else
     for (int64_t c0 = 0; c0 < whole; c0 += 4 * W) { /* 4 chunks at once: 4 chains in flight */
         int64_t chunks = (whole - c0) / W < 4 ? (whole - c0) / W : 4;
         vf part[4];
@@ -280,6 +296,7 @@ static void accumulate_range(float *a, const float *weights, int64_t first, cons
         }
         for (int64_t c = 0; c < chunks; c++) store(a + c0 + c * W, part[c]);
     }
+#endif
     for (int64_t c = whole; c < d; c++)
         for (int64_t j = from; j <= to; j++) a[c] = a[c] + weights[j - first] * value_at(values, half, j, d, c);
 }
