@@ -572,19 +572,19 @@ static inline void chain(int type, const struct unpacked *u, float dx, const int
 }
 
 /* chain's step for channel c alone (the same operations in the same order). */
-static inline float chain_one(int type, const struct unpacked *u, int c, float dx, int32_t isum, int32_t second,
-                              float acc) {
-    float a = dx * u->d[c];
+static inline float chain_one(int type, float d, float dm, float dx, int32_t isum, int32_t second, float acc) {
+    float a = dx * d;
     float s = acc + a * (float)isum;
     if (type == T_Q4_K || type == T_Q5_K) {
-        float m = dx * u->dm[c];
+        float m = dx * dm;
         s = s - m * (float)second;
     } else if (type == T_Q4_1 || type == T_Q5_1) {
-        float m = dx * u->dm[c];
+        float m = dx * dm;
         s = s + m * (float)second;
     }
     return s;
 }
+
 
 /* ---- one call: several weight segments side by side, every row ------------------------------------ */
 
@@ -606,6 +606,60 @@ struct job {
 #define PREFETCH_BYTES 256
 #endif
 
+#if BG_AVX2
+/* A few rows (m <= FEW_ROWS) of a Q4_K / Q6_K segment, channel by channel: each channel's row of
+ * blocks read in order (one stream per thread), each block's weight integers made once in registers
+ * for the m rows, and the 8 lanes of a (row, block) summed 8 blocks at a time (sums_of_8 over the
+ * blocks, not the channels), then the chain block by block in order: the same integers and chain
+ * as the group path. Small verify passes cost little more than a serial step this way. */
+#define FEW_ROWS 4
+static void few_rows_k(const struct job *job, int type, const uint8_t *w, int64_t row_bytes, int64_t bytes,
+                       int64_t nb, int channels, int64_t col, const struct acts *a, struct unpacked *u) {
+    const int64_t m = job->m;
+    __m256i tot[FEW_ROWS][8], mn[FEW_ROWS][8], sums[FEW_ROWS];
+    int32_t isum[8] __attribute__((aligned(32))), second[8] __attribute__((aligned(32)));
+    float d[8], dm[8];
+    for (int c = 0; c < channels; c++) {
+        const uint8_t *row = w + c * row_bytes;
+        float y[FEW_ROWS] = {0};
+        for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+            int n = nb - b0 < 8 ? (int)(nb - b0) : 8;
+            for (int i = 0; i < 8; i++)
+                for (int64_t r = 0; r < m; r++) tot[r][i] = mn[r][i] = _mm256_setzero_si256();
+            for (int i = 0; i < n; i++) {
+                const uint8_t *blk = row + (b0 + i) * bytes;
+                _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
+                unpack_one(type, blk, u, 0);
+                d[i] = u->d[0], dm[i] = u->dm[0];
+                __m256i w8[8], scales = _mm256_load_si256((const __m256i *)u->sv[0]);
+                k_weights(type, blk, w8);
+                for (int64_t r = 0; r < m; r++) {
+                    const int8_t *q = a[r].q + (b0 + i) * QK;
+                    __m256i total = _mm256_setzero_si256();
+                    for (int v = 0; v < 8; v++) {
+                        __m256i pick = _mm256_set1_epi16((int16_t)(0x0100 * (2 * v + 1) + 2 * v));
+                        __m256i p = _mm256_maddubs_epi16(w8[v], _mm256_loadu_si256((const __m256i *)(q + 32 * v)));
+                        total = _mm256_add_epi32(total, _mm256_madd_epi16(p, _mm256_shuffle_epi8(scales, pick)));
+                    }
+                    sums[r] = lane_sums(a[r].s16 + (b0 + i) * QK / 16);
+                    if (u->offset)
+                        total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums[r]), 5));
+                    tot[r][i] = total;
+                    if (type != T_Q6_K) mn[r][i] = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)u->mv[0]), sums[r]);
+                }
+            }
+            for (int64_t r = 0; r < m; r++) {
+                _mm256_store_si256((__m256i *)isum, sums_of_8(tot[r]));
+                _mm256_store_si256((__m256i *)second, sums_of_8(mn[r]));
+                for (int i = 0; i < n; i++) y[r] = chain_one(type, d[i], dm[i], a[r].d[b0 + i], isum[i], second[i], y[r]);
+            }
+        }
+        for (int64_t r = 0; r < m; r++)
+            job->out[r * job->ldo + col + c] = job->bias ? y[r] + job->bias[col + c] : y[r];
+    }
+}
+#endif
+
 static void run_group(const struct job *job, int seg, int64_t g, float *acc, struct unpacked *u) {
     int type = job->types[seg];
     int64_t values = 1, bytes = 1;
@@ -614,6 +668,13 @@ static void run_group(const struct job *job, int seg, int64_t g, float *acc, str
     int channels = (int)(job->ns[seg] - first < GROUP ? job->ns[seg] - first : GROUP);
     const uint8_t *w = job->data[seg] + first * row_bytes;
     const struct acts *a = is_k(type) ? job->a256 : job->a32;
+#if BG_AVX2
+    if (job->m <= FEW_ROWS && raw_k(type)) {
+        block_shape(type, u);
+        few_rows_k(job, type, w, row_bytes, bytes, nb, channels, job->starts[seg] + first, a, u);
+        return;
+    }
+#endif
     if (job->m == 1) { /* one row: channel after channel, each row of blocks read in order */
         int64_t col = job->starts[seg] + first;
         block_shape(type, u);
@@ -631,7 +692,7 @@ static void run_group(const struct job *job, int seg, int64_t g, float *acc, str
                 unpack_one(type, blk, u, 0);
                 channel_ints_portable(type, u, 0, a[0].q + b * values, &isum, &second);
 #endif
-                y = chain_one(type, u, 0, a[0].d[b], isum, second, y);
+                y = chain_one(type, u->d[0], u->dm[0], a[0].d[b], isum, second, y);
             }
             job->out[col + c] = job->bias ? y + job->bias[col + c] : y;
         }
@@ -691,7 +752,11 @@ static void run_task(void *context, int64_t t) {
     struct unpacked *u = aligned_alloc(32, (sizeof(struct unpacked) + 31) / 32 * 32);
     float *acc = malloc(sizeof(float) * GROUP * (size_t)job->m);
     if (!u || !acc) abort();
+#if BG_AVX2
+    u->from_raw = job->m <= FEW_ROWS; /* few rows: Q4_K / Q6_K integers made in registers (few_rows_k) */
+#else
     u->from_raw = job->m == 1; /* one row: unpacked integers would be used once */
+#endif
     for (int64_t g = t * job->groups_per_task; g < (t + 1) * job->groups_per_task && g < job->total_groups; g++) {
         int seg = 0;
         while (seg + 1 < job->nseg && g >= job->group_start[seg + 1]) seg++;
