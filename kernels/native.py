@@ -118,9 +118,24 @@ def load(signatures: dict[str, list | tuple[list, Any]]) -> ctypes.CDLL | None:
     lib = _LOADED[0]
     if lib is None or id(signatures) in _TYPED:  # (callers pass module constants: typed once, not per call)
         return lib
+    typed(lib, signatures)
+    _TYPED[id(signatures)] = signatures  # (kept alive, so that its id is never reused)
+    return lib
+
+
+def typed(lib: ctypes.CDLL, signatures: dict[str, list | tuple[list, Any]]) -> ctypes.CDLL:
+    """`lib` with the functions in `signatures` typed (name -> argtypes, for functions that return
+    nothing, or (argtypes, restype))."""
     for function, signature in signatures.items():
         argtypes, restype = signature if isinstance(signature, tuple) else (signature, None)
         getattr(lib, function).argtypes = argtypes
         getattr(lib, function).restype = restype
-    _TYPED[id(signatures)] = signatures  # (kept alive, so that its id is never reused)
     return lib
+
+
+def build_variant(extra: Sequence[str], folder: Path, signatures: dict[str, list | tuple[list, Any]]) -> ctypes.CDLL | None:
+    """Another build of the same sources with `extra` flags (a path forced on or off) into `folder`,
+    loaded beside the main library and typed: what the tests compare the main build with. None
+    where it does not compile."""
+    path = build(extra, folder)
+    return typed(ctypes.CDLL(str(path)), signatures) if path is not None else None

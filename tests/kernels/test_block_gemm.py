@@ -9,8 +9,6 @@ with 1 or 2 threads, on odd shapes and mixed types, and the AVX2 and portable bu
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 import torch
@@ -98,11 +96,9 @@ def test_zero_rows_of_activations_give_zero():
 
 @pytest.fixture(scope="module")
 def portable_library(tmp_path_factory):
-    path = native.build(["-DBLOCK_GEMM_FORCE_PORTABLE"], folder=tmp_path_factory.mktemp("portable"))
-    assert path is not None, "the C sources did not compile"
-    lib = ctypes.CDLL(str(path))
-    for function, (argtypes, restype) in block_linear.SIGNATURES.items():
-        getattr(lib, function).argtypes, getattr(lib, function).restype = argtypes, restype
+    lib = native.build_variant(["-DBLOCK_GEMM_FORCE_PORTABLE"], tmp_path_factory.mktemp("portable"),
+                               block_linear.SIGNATURES)
+    assert lib is not None, "the C sources did not compile"
     assert lib.block_gemm_avx2() == 0
     return lib
 

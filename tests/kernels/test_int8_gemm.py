@@ -7,8 +7,6 @@ calls of 12 rows or more where K is a multiple of 64 (576, 1536 below), so the r
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -160,13 +158,9 @@ def test_buckets():
 @pytest.fixture(scope="module", params=[0, 1, 2, 3], ids=["portable", "avx2", "avx512-vnni", "amx-int8"])
 def variant(request, tmp_path_factory):
     isa = request.param
-    path = native.build([f"-DINT8_GEMM_FORCE_ISA={isa}"], folder=tmp_path_factory.mktemp(f"isa{isa}"))
-    assert path is not None, "the C sources did not compile"
-    lib = ctypes.CDLL(str(path))
-    for function, signature in int8_gemm.SIGNATURES.items():
-        argtypes, restype = signature if isinstance(signature, tuple) else (signature, None)
-        getattr(lib, function).argtypes = argtypes
-        getattr(lib, function).restype = restype
+    lib = native.build_variant([f"-DINT8_GEMM_FORCE_ISA={isa}"], tmp_path_factory.mktemp(f"isa{isa}"),
+                               int8_gemm.SIGNATURES)
+    assert lib is not None, "the C sources did not compile"
     compiled = lib.int8_gemm_isa()
     assert compiled <= isa
     if compiled != isa:

@@ -7,8 +7,6 @@ odd ones (d 24 and 17: a scalar tail; lengths that start and end inside a 16-key
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -114,12 +112,8 @@ def test_register_halves_give_the_generic_bits(tmp_path, monkeypatch):
     (`HALVES`); built without them (the generic vectors), every output has the same bits."""
     if not torch_cpu.lane_library().lane_attention_halves():
         pytest.skip("this build has no register-halves path (AVX-512, or no AVX2 / F16C)")
-    path = native.build(["-DLANE_ATTENTION_NO_HALVES"], folder=tmp_path)
-    assert path is not None, "the C sources did not compile"
-    generic = ctypes.CDLL(str(path))
-    for function, types in torch_cpu._LANE_SIGNATURE.items():
-        argtypes, restype = types if isinstance(types, tuple) else (types, None)
-        getattr(generic, function).argtypes, getattr(generic, function).restype = argtypes, restype
+    generic = native.build_variant(["-DLANE_ATTENTION_NO_HALVES"], tmp_path, torch_cpu._LANE_SIGNATURE)
+    assert generic is not None, "the C sources did not compile"
     assert generic.lane_attention_halves() == 0
     for heads, kv_heads, d, window, shape in CASES:
         for dtype in (torch.float32, torch.float16):
