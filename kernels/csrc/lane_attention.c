@@ -132,6 +132,14 @@ static inline void narrow(const float *from, int64_t half, int64_t count, void *
 /* Whether the hot loops run on register halves here (`HALVES`: the same bits either way). */
 int lane_attention_halves(void) { return HALVES; }
 
+#if HALVES
+/* Elements at..at+7 of a float32 or float16 (`half`: widened, exact) array, as one AVX register. */
+static inline __m256 eight_at(const void *base, int64_t half, int64_t at) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)))
+                : _mm256_loadu_ps((const float *)base + at);
+}
+#endif
+
 /* Whether `madd` is fused here (part of the kernel's name in snapshot keys: other bits). */
 int lane_attention_fused(void) { return FUSED; }
 
@@ -277,11 +285,8 @@ static void accumulate_range(float *a, const float *weights, int64_t first, cons
         for (int64_t c = 0; c < parts; c++) part[c] = _mm256_loadu_ps(a + c0 + c * 8);
         for (int64_t j = from; j <= to; j++) {
             __m256 weight = _mm256_broadcast_ss(weights + (j - first));
-            for (int64_t c = 0; c < parts; c++) {
-                __m256 x = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)values + j * d + c0 + 8 * c)))
-                                : _mm256_loadu_ps((const float *)values + j * d + c0 + 8 * c);
-                part[c] = _mm256_fmadd_ps(weight, x, part[c]);
-            }
+            for (int64_t c = 0; c < parts; c++)
+                part[c] = _mm256_fmadd_ps(weight, eight_at(values, half, j * d + c0 + 8 * c), part[c]);
         }
         for (int64_t c = 0; c < parts; c++) _mm256_storeu_ps(a + c0 + c * 8, part[c]);
     }
@@ -312,10 +317,10 @@ static void accumulate_range(float *a, const float *weights, int64_t first, cons
 #define CH 2
 #endif
 #if HALVES
-/* accumulate_shared_n's whole chunks for a float16 cache with each vector as two AVX registers
- * (`HALVES`): the same fused chains, lane by lane, in the same order. */
+/* accumulate_shared_n's whole chunks with each vector as two AVX registers (`HALVES`): the same
+ * fused chains, lane by lane, in the same order. */
 static inline __attribute__((always_inline)) void shared_halves(
-    const int64_t n, float *acc, const float *const *weights_of, int64_t first, const uint16_t *values,
+    const int64_t n, float *acc, const float *const *weights_of, int64_t first, const void *values, int64_t half,
     int64_t from, int64_t to, int64_t d, int64_t whole) {
     for (int64_t c0 = 0; c0 < whole; c0 += CH * W) {
         int64_t chunks = (whole - c0) / W < CH ? (whole - c0) / W : CH;
@@ -326,10 +331,9 @@ static inline __attribute__((always_inline)) void shared_halves(
             for (int64_t c = 0; c < 2 * chunks; c++) part[i][c] = _mm256_loadu_ps(acc + i * d + c0 + c * 8);
         }
         for (int64_t j = from; j <= to; j++) {
-            if (((j - from) & (W - 1)) == 0) fetch_ahead(values, 1, j + PREFETCH_BLOCKS * W, to, d);
-            const uint16_t *row = values + j * d + c0;
+            if (((j - from) & (W - 1)) == 0) fetch_ahead(values, half, j + PREFETCH_BLOCKS * W, to, d);
             __m256 x[2 * CH];
-            for (int64_t c = 0; c < 2 * chunks; c++) x[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 8 * c)));
+            for (int64_t c = 0; c < 2 * chunks; c++) x[c] = eight_at(values, half, j * d + c0 + 8 * c);
             for (int64_t i = 0; i < n; i++) {
                 __m256 weight = _mm256_broadcast_ss(w[i]);
                 w[i]++;
@@ -347,10 +351,8 @@ static inline __attribute__((always_inline)) void accumulate_shared_n(
     int64_t from, int64_t to, int64_t d) {
     int64_t whole = d - d % W;
 #if HALVES
-    if (half)
-        shared_halves(n, acc, weights_of, first, (const uint16_t *)values, from, to, d, whole);
-    else
-#endif
+    shared_halves(n, acc, weights_of, first, values, half, from, to, d, whole);
+#else
     for (int64_t c0 = 0; c0 < whole; c0 += CH * W) {
         int64_t chunks = (whole - c0) / W < CH ? (whole - c0) / W : CH;
         vf part[SUB][CH];
@@ -372,6 +374,7 @@ static inline __attribute__((always_inline)) void accumulate_shared_n(
         for (int64_t i = 0; i < n; i++)
             for (int64_t c = 0; c < chunks; c++) store(acc + i * d + c0 + c * W, part[i][c]);
     }
+#endif
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = whole; c < d; c++)
             for (int64_t j = from; j <= to; j++)
@@ -474,9 +477,7 @@ static inline __attribute__((always_inline)) void block_scores(const int n, cons
             __m256 key[4];
             for (int h = 0; h <= two; h++) {
                 const void *block = h ? k1 : k0;
-                for (int part = 0; part < 2; part++)
-                    key[2 * h + part] = kh ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)block + c * W + 8 * part)))
-                                           : _mm256_loadu_ps((const float *)block + c * W + 8 * part);
+                for (int part = 0; part < 2; part++) key[2 * h + part] = eight_at(block, kh, c * W + 8 * part);
             }
             for (int i = 0; i < n; i++) {
                 __m256 q = _mm256_broadcast_ss(qv + i * d + c);
