@@ -26,10 +26,11 @@
  * each weight block is unpacked once into small integers (u8, 0..63) and scale vectors, then used
  * for every row, so a verify pass of 16 rows reads the weights once; the K-quants go by 8 rows at
  * a time, each weight vector and scale pick loaded once for the 8 (7 rows: 23% less time than row
- * by row on the coder's linears, 2-core AMD EPYC). One row (a serial decode step) goes channel by
- * channel instead, each channel's row of blocks read in order with a prefetch PREFETCH_BYTES
- * ahead: one sequential stream per thread, which the hardware prefetchers follow (the 8 rows of a
- * group read block by block were 8 short streams: 20-25% slower, same bits).
+ * by row on the coder's linears, 2-core AMD EPYC). One row (a serial decode step), and up to
+ * FEW_ROWS rows of a K-quant, go channel by channel instead, each channel's row of blocks read in
+ * order with a prefetch PREFETCH_BYTES ahead: one sequential stream per thread, which the hardware
+ * prefetchers follow (the 8 rows of a group read block by block were 8 short streams: 20-25%
+ * slower, same bits).
  */
 #include <math.h>
 #include <stdint.h>
@@ -155,13 +156,10 @@ struct unpacked {
      * high lane for their last 16 (Q4_K / Q5_K: sc[v] in both; Q6_K: sc[2v], sc[2v + 1]). */
     int16_t sv[GROUP][16] __attribute__((aligned(32)));
     int16_t mv[GROUP][16] __attribute__((aligned(32)));
-    /* AVX2, one row (from_raw): Q4_K / Q6_K integers read from the blocks themselves (raw[c]), never
-     * stored: each is used once. */
+    /* AVX2, few rows (from_raw): the K-quants' integers are made from the block in registers where
+     * they are used (few_rows_k), never stored. */
     int from_raw;
-    const uint8_t *raw[GROUP];
 };
-
-static const uint8_t zero_block[256] __attribute__((aligned(32)));
 
 static void k4_scale_min(int j, const uint8_t *s, int16_t *sc, int16_t *m) {
     if (j < 4) {
@@ -174,15 +172,22 @@ static void k4_scale_min(int j, const uint8_t *s, int16_t *sc, int16_t *m) {
 }
 
 #if BG_AVX2
-/* A Q4_K or Q6_K block's 256 weight integers as 8 vectors of 32 (values 32v .. 32v + 31), straight
+/* A K-quant block's 256 weight integers as 8 vectors of 32 (values 32v .. 32v + 31), straight
  * from the block: what unpack_one's loops write. 16-bit shifts: the masks drop what crosses a byte. */
 static inline void k_weights(int type, const uint8_t *blk, __m256i *w8) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
-    if (type == T_Q4_K) {
+    if (type == T_Q4_K || type == T_Q5_K) {
+        const uint8_t *qs = blk + (type == T_Q4_K ? 16 : 48);
+        __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16)), fifth = _mm256_set1_epi8(0x10);
         for (int t = 0; t < 4; t++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * t));
-            w8[2 * t] = _mm256_and_si256(v, low4);
-            w8[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * t));
+            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if (type == T_Q5_K) { /* bit 2t (2t + 1) of qh[l]: the fifth bit of lo (hi) */
+                __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * t))), b1 = _mm256_set1_epi8((char)(2 << (2 * t)));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), fifth));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), fifth));
+            }
+            w8[2 * t] = lo, w8[2 * t + 1] = hi;
         }
         return;
     }
@@ -199,12 +204,9 @@ static inline void k_weights(int type, const uint8_t *blk, __m256i *w8) {
     }
 }
 
-static inline int raw_k(int type) { return type == T_Q4_K || type == T_Q6_K; }
-
 /* The weight integers of the common types with AVX2 (the same bytes unpack_one's loops write):
  * 1 for a type it unpacked, 0 for one left to the loops. */
 static int unpack_ints_avx2(int type, const uint8_t *blk, uint8_t *w) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
     switch (type) {
     case T_Q4_0:
     case T_Q4_1: {
@@ -214,24 +216,11 @@ static int unpack_ints_avx2(int type, const uint8_t *blk, uint8_t *w) {
         return 1;
     }
     case T_Q4_K:
+    case T_Q5_K:
     case T_Q6_K: {
         __m256i w8[8];
         k_weights(type, blk, w8);
         for (int v = 0; v < 8; v++) _mm256_store_si256((__m256i *)(w + 32 * v), w8[v]);
-        return 1;
-    }
-    case T_Q5_K: {
-        const uint8_t *qs = blk + 48;
-        __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16)), fifth = _mm256_set1_epi8(0x10);
-        for (int t = 0; t < 4; t++) { /* bit 2t (2t + 1) of qh[l]: the fifth bit of lo (hi) */
-            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * t));
-            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * t))), b1 = _mm256_set1_epi8((char)(2 << (2 * t)));
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), fifth));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), fifth));
-            _mm256_store_si256((__m256i *)(w + 64 * t), lo);
-            _mm256_store_si256((__m256i *)(w + 64 * t + 32), hi);
-        }
         return 1;
     }
     default:
@@ -243,8 +232,7 @@ static int unpack_ints_avx2(int type, const uint8_t *blk, uint8_t *w) {
 static void unpack_one(int type, const uint8_t *blk, struct unpacked *u, int c) {
     uint8_t *w = u->w[c];
 #if BG_AVX2
-    u->raw[c] = blk;
-    if ((u->from_raw && raw_k(type)) || unpack_ints_avx2(type, blk, w)) { /* the scales as the loops set them */
+    if ((u->from_raw && is_k(type)) || unpack_ints_avx2(type, blk, w)) { /* the scales as the loops set them */
         switch (type) {
         case T_Q4_0: u->d[c] = f16_at(blk), u->dm[c] = 0.0f; return;
         case T_Q4_1: u->d[c] = f16_at(blk), u->dm[c] = f16_at(blk + 2); return;
@@ -358,7 +346,6 @@ static void unpack(int type, const uint8_t *first, int64_t row_bytes, int64_t bl
             memset(u->mn[c], 0, sizeof u->mn[c]);
             memset(u->sv[c], 0, sizeof u->sv[c]);
             memset(u->mv[c], 0, sizeof u->mv[c]);
-            u->raw[c] = zero_block;
             u->d[c] = u->dm[c] = 0.0f;
         }
     }
@@ -371,23 +358,21 @@ static void unpack(int type, const uint8_t *first, int64_t row_bytes, int64_t bl
 static inline void channel_ints_portable(int type, const struct unpacked *u, int c, const int8_t *q,
                                          int32_t *isum, int32_t *second) {
     int signed_w = type == T_Q8_0;
-    {
-        int32_t total = 0, mins = 0;
-        for (int j = 0; j < u->subs; j++) {
-            int32_t dot = 0, qsum = 0;
-            for (int i = 0; i < u->sub_len; i++) {
-                int idx = j * u->sub_len + i;
-                int32_t wv = signed_w ? (int8_t)u->w[c][idx] : u->w[c][idx];
-                dot += wv * q[idx];
-                qsum += q[idx];
-            }
-            dot -= u->offset * qsum;
-            total += (is_k(type) ? u->sc[c][j] : 1) * dot;
-            if (type == T_Q4_K || type == T_Q5_K) mins += u->mn[c][j] * qsum;
-            else if (type == T_Q4_1 || type == T_Q5_1) mins += qsum;
+    int32_t total = 0, mins = 0;
+    for (int j = 0; j < u->subs; j++) {
+        int32_t dot = 0, qsum = 0;
+        for (int i = 0; i < u->sub_len; i++) {
+            int idx = j * u->sub_len + i;
+            int32_t wv = signed_w ? (int8_t)u->w[c][idx] : u->w[c][idx];
+            dot += wv * q[idx];
+            qsum += q[idx];
         }
-        *isum = total, *second = mins;
+        dot -= u->offset * qsum;
+        total += (is_k(type) ? u->sc[c][j] : 1) * dot;
+        if (type == T_Q4_K || type == T_Q5_K) mins += u->mn[c][j] * qsum;
+        else if (type == T_Q4_1 || type == T_Q5_1) mins += qsum;
     }
+    *isum = total, *second = mins;
 }
 
 static inline void block_ints_portable(int type, const struct unpacked *u, const int8_t *q, const int16_t *s16,
@@ -411,51 +396,42 @@ static inline __m256i lane_sums(const int16_t *s16) {
     return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)s16), pairs), 0xD8);
 }
 
-/* Channel c of a K-quant block against one row (x: its 8 vectors of 32 values, sums: lane_sums):
- * the 8 lanes whose sum is the scaled integer sum, and (*mins) the lanes of the mins' sum. */
-static inline __m256i k_channel(int type, const struct unpacked *u, int c, const __m256i *x, __m256i sums,
-                                __m256i *mins) {
-    __m256i total = _mm256_setzero_si256(), scales = _mm256_load_si256((const __m256i *)u->sv[c]), w8[8];
-    int from_raw = u->from_raw && raw_k(type);
-    if (from_raw) k_weights(type, u->raw[c], w8);
+/* One K-quant block of one channel (its weight integers w8, its lane-ordered scales and mins)
+ * against one row's 256 activations q (sums: their lane_sums): the 8 lanes whose sum is the scaled
+ * integer sum, and (*mins) the lanes of the mins' sum (zero for Q6_K, which has none). */
+static inline __m256i k_ints(int type, const __m256i *w8, __m256i scales, __m256i mv, const int8_t *q, __m256i sums,
+                             __m256i *mins) {
+    __m256i total = _mm256_setzero_si256();
     for (int v = 0; v < 8; v++) {
-        __m256i w = from_raw ? w8[v] : _mm256_load_si256((const __m256i *)(u->w[c] + 32 * v));
         __m256i pick = _mm256_set1_epi16((int16_t)(0x0100 * (2 * v + 1) + 2 * v)); /* int16 element v of each lane */
-        __m256i p = _mm256_maddubs_epi16(w, x[v]);
+        __m256i p = _mm256_maddubs_epi16(w8[v], _mm256_loadu_si256((const __m256i *)(q + 32 * v)));
         total = _mm256_add_epi32(total, _mm256_madd_epi16(p, _mm256_shuffle_epi8(scales, pick)));
     }
-    if (u->offset) /* Q6_K: minus 32 * sum_i sc_i * (sum of q over the 16 values of scale i) */
+    if (type == T_Q6_K) /* minus 32 * sum_i sc_i * (sum of q over the 16 values of scale i) */
         total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums), 5));
-    *mins = type == T_Q6_K ? _mm256_setzero_si256() : _mm256_madd_epi16(_mm256_load_si256((const __m256i *)u->mv[c]), sums);
+    *mins = type == T_Q6_K ? _mm256_setzero_si256() : _mm256_madd_epi16(mv, sums);
     return total;
 }
 
-/* The same integers as block_ints_portable, 8 channels in the 8 lanes of isum / second: 32 values at
- * a time with vpmaddubsw (u8 weights, s8 activations: pair sums <= 2 * 63 * 127, never saturating),
- * vpmaddwd with the scales (or ones), and the offsets and mins from the row's sums per 16. */
+/* A legacy block (Q4_0 .. Q8_0, 32 values) of one channel against one row's x: 8 lanes of pair
+ * sums (u8 weights, s8 activations: pair sums <= 2 * 63 * 127, never saturating; Q8_0 as
+ * |w| * (x sgn w)) whose total is the raw dot product. */
+static inline __m256i legacy_lanes(int type, __m256i w, __m256i x) {
+    __m256i p = type == T_Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+                               : _mm256_maddubs_epi16(w, x);
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+/* The same integers as block_ints_portable for a legacy type (the K-quants go by k_rows or
+ * few_rows_k), 8 channels in the 8 lanes of isum / second. */
 static void block_ints_avx2(int type, const struct unpacked *u, const int8_t *q, const int16_t *s16,
                             __m256i *isum, __m256i *second) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[GROUP];
-    if (!is_k(type)) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)q);
-        for (int c = 0; c < GROUP; c++) {
-            __m256i w = _mm256_load_si256((const __m256i *)u->w[c]);
-            __m256i p = type == T_Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
-                                       : _mm256_maddubs_epi16(w, x); /* Q8_0: |w| * (x sgn w) */
-            acc[c] = _mm256_madd_epi16(p, ones);
-        }
-        /* one sub-block of 32: the offset and the second term are the block's sum of q, any channel */
-        int32_t qsum = s16[0] + s16[1];
-        *isum = _mm256_sub_epi32(sums_of_8(acc), _mm256_set1_epi32(u->offset * qsum));
-        *second = _mm256_set1_epi32(type == T_Q4_1 || type == T_Q5_1 ? qsum : 0);
-        return;
-    }
-    __m256i sums = lane_sums(s16), x[8], mins[GROUP];
-    for (int v = 0; v < 8; v++) x[v] = _mm256_loadu_si256((const __m256i *)(q + 32 * v));
-    for (int c = 0; c < GROUP; c++) acc[c] = k_channel(type, u, c, x, sums, mins + c);
-    *isum = sums_of_8(acc);
-    *second = type == T_Q6_K ? _mm256_setzero_si256() : sums_of_8(mins); /* Q6_K has no mins */
+    __m256i acc[GROUP], x = _mm256_loadu_si256((const __m256i *)q);
+    for (int c = 0; c < GROUP; c++) acc[c] = legacy_lanes(type, _mm256_load_si256((const __m256i *)u->w[c]), x);
+    /* one sub-block of 32: the offset and the second term are the block's sum of q, any channel */
+    int32_t qsum = s16[0] + s16[1];
+    *isum = _mm256_sub_epi32(sums_of_8(acc), _mm256_set1_epi32(u->offset * qsum));
+    *second = _mm256_set1_epi32(type == T_Q4_1 || type == T_Q5_1 ? qsum : 0);
 }
 
 /* block_ints_avx2 for n (<= ROWS) rows of a K-quant block at once: each weight vector and scale
@@ -518,22 +494,13 @@ static inline int32_t sum_lanes(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-/* block_ints_avx2's integers for channel c alone (the one-row path: no lanes to fill). */
+/* block_ints_avx2's integers for channel c alone (the one-row path of the legacy types). */
 static inline void channel_ints_avx2(int type, const struct unpacked *u, int c, const int8_t *q, const int16_t *s16,
                                      int32_t *isum, int32_t *second) {
-    if (!is_k(type)) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)q), w = _mm256_load_si256((const __m256i *)u->w[c]);
-        __m256i p = type == T_Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
-                                   : _mm256_maddubs_epi16(w, x);
-        int32_t qsum = s16[0] + s16[1];
-        *isum = sum_lanes(_mm256_madd_epi16(p, _mm256_set1_epi16(1))) - u->offset * qsum;
-        *second = type == T_Q4_1 || type == T_Q5_1 ? qsum : 0;
-        return;
-    }
-    __m256i x[8], mins;
-    for (int v = 0; v < 8; v++) x[v] = _mm256_loadu_si256((const __m256i *)(q + 32 * v));
-    *isum = sum_lanes(k_channel(type, u, c, x, lane_sums(s16), &mins));
-    *second = type == T_Q6_K ? 0 : sum_lanes(mins);
+    __m256i x = _mm256_loadu_si256((const __m256i *)q), w = _mm256_load_si256((const __m256i *)u->w[c]);
+    int32_t qsum = s16[0] + s16[1];
+    *isum = sum_lanes(legacy_lanes(type, w, x)) - u->offset * qsum;
+    *second = type == T_Q4_1 || type == T_Q5_1 ? qsum : 0;
 }
 
 /* acc[c] advanced by one block of row r (dx its activation scale): lane by lane the portable chain. */
@@ -552,26 +519,9 @@ static inline void chain_avx2(int type, const struct unpacked *u, float dx, __m2
 
 /* ---- the float chain ------------------------------------------------------------------------------ */
 
-/* acc[c] advanced by one block of row r (dx its activation scale); the same operations, in the same
- * order, on every path (the AVX2 lanes are 8 channels' chains). */
-/* acc[c] advanced by one block of row r (dx its activation scale). */
-static inline void chain(int type, const struct unpacked *u, float dx, const int32_t *isum, const int32_t *second,
-                         float *acc) {
-    for (int c = 0; c < GROUP; c++) {
-        float a = dx * u->d[c];
-        float s = acc[c] + a * (float)isum[c];
-        if (type == T_Q4_K || type == T_Q5_K) {
-            float m = dx * u->dm[c];
-            s = s - m * (float)second[c];
-        } else if (type == T_Q4_1 || type == T_Q5_1) {
-            float m = dx * u->dm[c];
-            s = s + m * (float)second[c];
-        }
-        acc[c] = s;
-    }
-}
-
-/* chain's step for channel c alone (the same operations in the same order). */
+/* One output's chain advanced by one block (d, dm: the block's float scales, dx: the row's
+ * activation scale): the same operations, in the same order, on every path (the AVX2 lanes of
+ * chain_avx2 are 8 channels' chains). */
 static inline float chain_one(int type, float d, float dm, float dx, int32_t isum, int32_t second, float acc) {
     float a = dx * d;
     float s = acc + a * (float)isum;
@@ -585,6 +535,11 @@ static inline float chain_one(int type, float d, float dm, float dx, int32_t isu
     return s;
 }
 
+/* acc[c] advanced by one block of row r, for the group's 8 channels. */
+static inline void chain(int type, const struct unpacked *u, float dx, const int32_t *isum, const int32_t *second,
+                         float *acc) {
+    for (int c = 0; c < GROUP; c++) acc[c] = chain_one(type, u->d[c], u->dm[c], dx, isum[c], second[c], acc[c]);
+}
 
 /* ---- one call: several weight segments side by side, every row ------------------------------------ */
 
@@ -607,7 +562,7 @@ struct job {
 #endif
 
 #if BG_AVX2
-/* A few rows (m <= FEW_ROWS) of a Q4_K / Q6_K segment, channel by channel: each channel's row of
+/* A few rows (m <= FEW_ROWS) of a K-quant segment, channel by channel: each channel's row of
  * blocks read in order (one stream per thread), each block's weight integers made once in registers
  * for the m rows, and the 8 lanes of a (row, block) summed 8 blocks at a time (sums_of_8 over the
  * blocks, not the channels), then the chain block by block in order: the same integers and chain
@@ -616,7 +571,7 @@ struct job {
 static void few_rows_k(const struct job *job, int type, const uint8_t *w, int64_t row_bytes, int64_t bytes,
                        int64_t nb, int channels, int64_t col, const struct acts *a, struct unpacked *u) {
     const int64_t m = job->m;
-    __m256i tot[FEW_ROWS][8], mn[FEW_ROWS][8], sums[FEW_ROWS];
+    __m256i tot[FEW_ROWS][8], mn[FEW_ROWS][8];
     int32_t isum[8] __attribute__((aligned(32))), second[8] __attribute__((aligned(32)));
     float d[8], dm[8];
     for (int c = 0; c < channels; c++) {
@@ -632,21 +587,11 @@ static void few_rows_k(const struct job *job, int type, const uint8_t *w, int64_
                 unpack_one(type, blk, u, 0);
                 d[i] = u->d[0], dm[i] = u->dm[0];
                 __m256i w8[8], scales = _mm256_load_si256((const __m256i *)u->sv[0]);
+                __m256i mv = _mm256_load_si256((const __m256i *)u->mv[0]);
                 k_weights(type, blk, w8);
-                for (int64_t r = 0; r < m; r++) {
-                    const int8_t *q = a[r].q + (b0 + i) * QK;
-                    __m256i total = _mm256_setzero_si256();
-                    for (int v = 0; v < 8; v++) {
-                        __m256i pick = _mm256_set1_epi16((int16_t)(0x0100 * (2 * v + 1) + 2 * v));
-                        __m256i p = _mm256_maddubs_epi16(w8[v], _mm256_loadu_si256((const __m256i *)(q + 32 * v)));
-                        total = _mm256_add_epi32(total, _mm256_madd_epi16(p, _mm256_shuffle_epi8(scales, pick)));
-                    }
-                    sums[r] = lane_sums(a[r].s16 + (b0 + i) * QK / 16);
-                    if (u->offset)
-                        total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums[r]), 5));
-                    tot[r][i] = total;
-                    if (type != T_Q6_K) mn[r][i] = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)u->mv[0]), sums[r]);
-                }
+                for (int64_t r = 0; r < m; r++)
+                    tot[r][i] = k_ints(type, w8, scales, mv, a[r].q + (b0 + i) * QK,
+                                       lane_sums(a[r].s16 + (b0 + i) * QK / 16), &mn[r][i]);
             }
             for (int64_t r = 0; r < m; r++) {
                 _mm256_store_si256((__m256i *)isum, sums_of_8(tot[r]));
@@ -669,7 +614,7 @@ static void run_group(const struct job *job, int seg, int64_t g, float *acc, str
     const uint8_t *w = job->data[seg] + first * row_bytes;
     const struct acts *a = is_k(type) ? job->a256 : job->a32;
 #if BG_AVX2
-    if (job->m <= FEW_ROWS && raw_k(type)) {
+    if (job->m <= FEW_ROWS && is_k(type)) {
         block_shape(type, u);
         few_rows_k(job, type, w, row_bytes, bytes, nb, channels, job->starts[seg] + first, a, u);
         return;
@@ -711,7 +656,7 @@ static void run_group(const struct job *job, int seg, int64_t g, float *acc, str
     for (int64_t b = 0; b < nb; b++) {
         unpack(type, w, row_bytes, bytes, b, channels, u);
 #if BG_AVX2
-        if (is_k(type)) { /* rows by fours, each weight vector shared */
+        if (is_k(type)) { /* rows by ROWS at a time, each weight vector shared */
             for (int64_t r0 = 0; r0 < job->m; r0 += ROWS) {
                 int n = job->m - r0 < ROWS ? (int)(job->m - r0) : ROWS;
                 const int8_t *q[ROWS];
@@ -753,7 +698,7 @@ static void run_task(void *context, int64_t t) {
     float *acc = malloc(sizeof(float) * GROUP * (size_t)job->m);
     if (!u || !acc) abort();
 #if BG_AVX2
-    u->from_raw = job->m <= FEW_ROWS; /* few rows: Q4_K / Q6_K integers made in registers (few_rows_k) */
+    u->from_raw = job->m <= FEW_ROWS; /* few rows: K-quant integers made in registers (few_rows_k) */
 #else
     u->from_raw = job->m == 1; /* one row: unpacked integers would be used once */
 #endif
