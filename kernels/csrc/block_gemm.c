@@ -22,15 +22,17 @@
  * chains in the 8 lanes of a vector, lane by lane the same operations as the portable C, whose
  * integers it gives exactly (tests/kernels/test_block_gemm.py compares the two paths bit for bit).
  *
- * Work is split by groups of 8 output channels (one pool task covers several); within a group,
- * each weight block is unpacked once into small integers (u8, 0..63) and scale vectors, then used
- * for every row, so a verify pass of 16 rows reads the weights once; the K-quants go by 8 rows at
- * a time, each weight vector and scale pick loaded once for the 8 (7 rows: 23% less time than row
- * by row on the coder's linears, 2-core AMD EPYC). One row (a serial decode step), and up to
- * FEW_ROWS rows of a K-quant, go channel by channel instead, each channel's row of blocks read in
- * order with a prefetch PREFETCH_BYTES ahead: one sequential stream per thread, which the hardware
- * prefetchers follow (the 8 rows of a group read block by block were 8 short streams: 20-25%
- * slower, same bits).
+ * Work is split by groups of 8 output channels (one pool task covers several). With AVX2 (and F16C),
+ * Q4_K and Q6_K, a Q4_K_M file's linears, run repacked 8 channels to a block, one channel to a
+ * 32-bit lane (block_gemm_pack, once at load; see "the K-quants repacked" below): about half the
+ * instructions, the activations read once for 8 channels, one sequential stream per group and
+ * X8_ROWS rows at a time; on the coder's linears (2 cores, same bits) 1 row 68 -> 46 ms, 4 rows 135 ->
+ * 67, 7 rows 179 -> 102. The other types stay in the file's layout: within a group each weight block
+ * is unpacked once into small integers (u8, 0..63) and scale vectors, then used for every row, the
+ * K-quant Q5_K by 8 rows at a time (each weight vector and scale pick loaded once for the 8); one
+ * row, and up to FEW_ROWS rows of Q5_K, go channel by channel instead, each channel's row of blocks
+ * read in order with a prefetch PREFETCH_BYTES ahead: one sequential stream per thread, which the
+ * hardware prefetchers follow (8 rows of a group read block by block are 8 short streams).
  */
 #include <math.h>
 #include <stdint.h>
@@ -229,9 +231,11 @@ static int unpack_ints_avx2(int type, const uint8_t *blk, uint8_t *w) {
 }
 #endif
 
+static void unpack_portable(int type, const uint8_t *blk, struct unpacked *u, int c);
+
 static void unpack_one(int type, const uint8_t *blk, struct unpacked *u, int c) {
-    uint8_t *w = u->w[c];
 #if BG_AVX2
+    uint8_t *w = u->w[c];
     if ((u->from_raw && is_k(type)) || unpack_ints_avx2(type, blk, w)) { /* the scales as the loops set them */
         switch (type) {
         case T_Q4_0: u->d[c] = f16_at(blk), u->dm[c] = 0.0f; return;
@@ -260,6 +264,12 @@ static void unpack_one(int type, const uint8_t *blk, struct unpacked *u, int c) 
         }
     }
 #endif
+    unpack_portable(type, blk, u, c);
+}
+
+/* unpack_one's loops: every type's integers into u->w[c], the K-quants' scales into u->sc / u->mn. */
+static void unpack_portable(int type, const uint8_t *blk, struct unpacked *u, int c) {
+    uint8_t *w = u->w[c];
     switch (type) {
     case T_Q4_0:
     case T_Q4_1: {
@@ -503,17 +513,24 @@ static inline void channel_ints_avx2(int type, const struct unpacked *u, int c, 
     *second = type == T_Q4_1 || type == T_Q5_1 ? qsum : 0;
 }
 
-/* acc[c] advanced by one block of row r (dx its activation scale): lane by lane the portable chain. */
-static inline void chain_avx2(int type, const struct unpacked *u, float dx, __m256i isum, __m256i second,
-                              float *acc) {
+/* 8 outputs' chains (acc, one per lane) advanced by one block of a row (dx its activation scale, d / dm
+ * the 8 channels' float scales): lane by lane the portable chain_one. */
+static inline __m256 chain_lanes(int type, __m256 d, __m256 dm, float dx, __m256i isum, __m256i second,
+                                 __m256 acc) {
     __m256 x = _mm256_set1_ps(dx);
-    __m256 a = _mm256_mul_ps(x, _mm256_loadu_ps(u->d));
-    __m256 s = _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_mul_ps(a, _mm256_cvtepi32_ps(isum)));
+    __m256 a = _mm256_mul_ps(x, d);
+    __m256 s = _mm256_add_ps(acc, _mm256_mul_ps(a, _mm256_cvtepi32_ps(isum)));
     if (type == T_Q4_K || type == T_Q5_K || type == T_Q4_1 || type == T_Q5_1) {
-        __m256 t = _mm256_mul_ps(_mm256_mul_ps(x, _mm256_loadu_ps(u->dm)), _mm256_cvtepi32_ps(second));
+        __m256 t = _mm256_mul_ps(_mm256_mul_ps(x, dm), _mm256_cvtepi32_ps(second));
         s = (type == T_Q4_K || type == T_Q5_K) ? _mm256_sub_ps(s, t) : _mm256_add_ps(s, t);
     }
-    _mm256_storeu_ps(acc, s);
+    return s;
+}
+
+static inline void chain_avx2(int type, const struct unpacked *u, float dx, __m256i isum, __m256i second,
+                              float *acc) {
+    _mm256_storeu_ps(acc, chain_lanes(type, _mm256_loadu_ps(u->d), _mm256_loadu_ps(u->dm), dx, isum, second,
+                                      _mm256_loadu_ps(acc)));
 }
 #endif
 
@@ -541,11 +558,244 @@ static inline void chain(int type, const struct unpacked *u, float dx, const int
     for (int c = 0; c < GROUP; c++) acc[c] = chain_one(type, u->d[c], u->dm[c], dx, isum[c], second[c], acc[c]);
 }
 
+/* ---- the K-quants repacked: 8 channels to a block, one channel to a lane (AVX2) --------------------- */
+
+/* Q4_K and Q6_K, the types of a Q4_K_M file's linears, are repacked once at load (block_gemm_pack) so
+ * that a block of 8 channels holds, in each 32-bit lane of a vector, 4 weights of one channel: 2 of
+ * sub-block j and 2 of sub-block j + 1 (j even). vpmaddubsw against 4 activations broadcast to every
+ * lane then leaves each channel's sub-block j and j + 1 partial sums side by side in its lane, and one
+ * vpmaddwd against the lane's two scales adds them scaled: the channels' integers come out in the 8
+ * lanes directly (no horizontal sums, no per-channel scale shuffles), the activations are read once
+ * for 8 channels and the float chains advance 8 channels at a time. Roughly half the instructions of
+ * a block read in the file's layout, and one sequential stream per group.
+ *
+ * The integers are the same: isum = sum_j sc_j * (w . q over sub-block j) and msum = sum_j mn_j *
+ * sum(q over j), summed in int16 only where they cannot overflow (Q4_K: 8 pair sums of |15 * 127 * 2|
+ * <= 30480; Q6_K: 2 of |63 * 127 * 2| <= 32004) and in int32 after, and each lane's chain is
+ * chain_one's. So the outputs are the bits of the file's layout on any path (tested against the
+ * portable build).
+ *
+ * Q4_K x8 (1184 bytes = 8 * 144 + 32): d[8], dmin[8] (float16); sc[4 pairs][8 channels][2], mn[same]
+ * (u8, the 6-bit scales and mins of sub-blocks 2p, 2p + 1); qs[4 pairs][8 vectors][8 channels][4
+ * bytes]: byte i of a channel's lane in vector v holds group v in its low nibble and group v + 8 in its
+ * high one, where group t, byte i is value 2t + (i & 1) of sub-block 2p + (i >> 1).
+ * Q6_K x8 (1680 bytes = 8 * 210): d[8] (float16); sc[8 pairs][8][2] (int8); ql[8 pairs][4 vectors][8][4]
+ * (low 4 bits: groups v and v + 4 in the low and high nibble, groups of sub-blocks of 16 as above);
+ * qh[8 pairs][2 vectors][8][4] (the top 2 bits: group 4h + u at bits 2u, 2u + 1 of vector h). */
+#define X8 100 /* a repacked type's id: its ggml id + X8 */
+enum { T_Q4_K_X8 = T_Q4_K + X8, T_Q6_K_X8 = T_Q6_K + X8 };
+#define Q4X8_BYTES 1184
+#define Q6X8_BYTES 1680
+#ifndef X8_ROWS
+#define X8_ROWS 6 /* rows advanced together: their int16 and int32 sums stay (mostly) in registers */
+#endif
+#if BG_AVX2 && defined(__F16C__)
+#define BG_X8 1
+#else
+#define BG_X8 0
+#endif
+
+static inline int is_x8(int type) { return type == T_Q4_K_X8 || type == T_Q6_K_X8; }
+
+/* The repacked id of a type this build runs repacked (0: it runs in the file's layout). */
+int block_gemm_packed_type(int type) {
+    return BG_X8 && (type == T_Q4_K || type == T_Q6_K) ? type + X8 : 0;
+}
+
+/* Bytes of the repacked form of an [n, k] weight of `type` (0 where block_gemm_packed_type is 0 or k
+ * is not a whole number of blocks): ceil(n / 8) groups of k / 256 blocks, a short group zero-padded. */
+int64_t block_gemm_packed_bytes(int type, int64_t n, int64_t k) {
+    if (!block_gemm_packed_type(type) || k % QK) return 0;
+    return (n + GROUP - 1) / GROUP * (k / QK) * (type == T_Q4_K ? Q4X8_BYTES : Q6X8_BYTES);
+}
+
+/* Weight integer of channel c, pair p (sub-blocks of `sub` values), group t, byte i (see above). */
+static inline uint8_t x8_weight(const struct unpacked *u, int c, int sub, int p, int t, int i) {
+    return u->w[c][sub * (2 * p + (i >> 1)) + 2 * t + (i & 1)];
+}
+
+static void pack_group_block(int type, const uint8_t *const *src, int channels, uint8_t *dst) {
+    struct unpacked u;
+    memset(&u, 0, sizeof u);
+    for (int c = 0; c < channels; c++) unpack_portable(type, src[c], &u, c);
+    int q4 = type == T_Q4_K;
+    for (int c = 0; c < channels; c++) /* the float16 scales' bytes as the file has them */
+        memcpy(dst + 2 * c, src[c] + (q4 ? 0 : 208), 2), q4 ? (void)memcpy(dst + 16 + 2 * c, src[c] + 2, 2) : (void)0;
+    uint8_t *scales = dst + (q4 ? 32 : 16), *qs = dst + (q4 ? 160 : 144);
+    int pairs = q4 ? 4 : 8, sub = q4 ? 32 : 16;
+    for (int p = 0; p < pairs; p++)
+        for (int c = 0; c < GROUP; c++)
+            for (int h = 0; h < 2; h++) {
+                scales[16 * p + 2 * c + h] = (uint8_t)u.sc[c][2 * p + h];
+                if (q4) dst[96 + 16 * p + 2 * c + h] = (uint8_t)u.mn[c][2 * p + h];
+            }
+    for (int p = 0; p < pairs; p++)
+        for (int c = 0; c < GROUP; c++)
+            for (int i = 0; i < 4; i++) {
+                if (q4) {
+                    for (int v = 0; v < 8; v++)
+                        qs[256 * p + 32 * v + 4 * c + i] =
+                            (uint8_t)(x8_weight(&u, c, sub, p, v, i) | x8_weight(&u, c, sub, p, v + 8, i) << 4);
+                    continue;
+                }
+                for (int v = 0; v < 4; v++)
+                    qs[128 * p + 32 * v + 4 * c + i] = (uint8_t)((x8_weight(&u, c, sub, p, v, i) & 0xF) |
+                                                                 (x8_weight(&u, c, sub, p, v + 4, i) & 0xF) << 4);
+                for (int h = 0; h < 2; h++) {
+                    uint8_t top = 0;
+                    for (int t = 0; t < 4; t++) top |= (uint8_t)((x8_weight(&u, c, sub, p, 4 * h + t, i) >> 4) << (2 * t));
+                    dst[1168 + 64 * p + 32 * h + 4 * c + i] = top;
+                }
+            }
+}
+
+struct pack_job {
+    int type;
+    const uint8_t *src;
+    int64_t n, nb, row_bytes, bytes, packed;
+    uint8_t *dst;
+};
+
+static void pack_task(void *context, int64_t g) {
+    const struct pack_job *job = context;
+    int channels = (int)(job->n - g * GROUP < GROUP ? job->n - g * GROUP : GROUP);
+    for (int64_t b = 0; b < job->nb; b++) {
+        const uint8_t *blocks[GROUP];
+        for (int c = 0; c < channels; c++) blocks[c] = job->src + (g * GROUP + c) * job->row_bytes + b * job->bytes;
+        uint8_t *out = job->dst + (g * job->nb + b) * job->packed;
+        memset(out, 0, (size_t)job->packed);
+        pack_group_block(job->type, blocks, channels, out);
+    }
+}
+
+/* Repack an [n, k] weight of `type` (rows of the file's blocks) into dst (block_gemm_packed_bytes
+ * of it), a group of 8 channels per pool task. 0, or -1 for a type or shape it does not repack. */
+int block_gemm_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst, int threads) {
+    int64_t values = 1, bytes = 1;
+    if (!block_gemm_packed_bytes(type, n, k) || !block_gemm_block(type, &values, &bytes)) return -1;
+    struct pack_job job = {type, src, n, k / QK, k / QK * bytes, bytes, type == T_Q4_K ? Q4X8_BYTES : Q6X8_BYTES,
+                           dst};
+    pool_for(threads, (n + GROUP - 1) / GROUP, pack_task, &job);
+    return 0;
+}
+
+/* A row's activations as the repacked lanes read them: q in group order (per pair of sub-blocks of
+ * `sub` values, group t = values 2t, 2t + 1 of the first, then of the second) and each pair's two
+ * sums of q as one int32 (low half: the first sub-block), for vpmaddwd with the mins / scales. */
+struct x8acts {
+    const int8_t *q;
+    const int32_t *pairs;
+    const float *d;
+};
+
+static void x8_order(const int8_t *q, const int16_t *s16, int64_t k, int sub, int8_t *out, int32_t *pairs) {
+    for (int64_t base = 0; base < k; base += 2 * sub) {
+        for (int t = 0; t < sub / 2; t++)
+            for (int i = 0; i < 4; i++) out[base + 4 * t + i] = q[base + sub * (i >> 1) + 2 * t + (i & 1)];
+        int16_t sums[2];
+        for (int h = 0; h < 2; h++) {
+            const int16_t *s = s16 + (base + sub * h) / 16;
+            sums[h] = (int16_t)(sub == 32 ? s[0] + s[1] : s[0]);
+        }
+        *pairs++ = (int32_t)((uint32_t)(uint16_t)sums[0] | (uint32_t)(uint16_t)sums[1] << 16);
+    }
+}
+
+#if BG_X8
+static inline __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* n (<= X8_ROWS) rows of a repacked Q4_K group over its nb blocks: y[r], the 8 channels' outputs. */
+static inline __attribute__((always_inline)) void q4x8_rows(const int n, const uint8_t *group, int64_t nb,
+                                                            const struct x8acts *a, __m256 *y) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < n; r++) y[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = group + b * Q4X8_BYTES;
+        __m256i isum[X8_ROWS], msum[X8_ROWS];
+        for (int r = 0; r < n; r++) isum[r] = msum[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *qs = blk + 160 + 256 * p;
+            __m256i scales = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * p)));
+            for (int half = 0; half < 2; half++) { /* groups 0..7 (low nibbles), then 8..15 */
+                __m256i part[X8_ROWS];
+                for (int r = 0; r < n; r++) part[r] = _mm256_setzero_si256();
+                for (int v = 0; v < 8; v++) {
+                    __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * v));
+                    __m256i w = _mm256_and_si256(half ? _mm256_srli_epi16(packed, 4) : packed, low4);
+                    for (int r = 0; r < n; r++)
+                        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(
+                                                       w, broadcast4(a[r].q + b * QK + 64 * p + 32 * half + 4 * v)));
+                }
+                for (int r = 0; r < n; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], scales));
+            }
+            __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 96 + 16 * p)));
+            for (int r = 0; r < n; r++)
+                msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(mins, _mm256_set1_epi32(a[r].pairs[4 * b + p])));
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        for (int r = 0; r < n; r++) y[r] = chain_lanes(T_Q4_K, d, dm, a[r].d[b], isum[r], msum[r], y[r]);
+    }
+}
+
+/* The top two bits of group 4h + t (h the vector) moved to bits 4, 5 of each byte. */
+static inline __m256i q6_top(__m256i h, int t) {
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
+    __m256i moved = t == 0 ? _mm256_slli_epi16(h, 4) : t == 1 ? _mm256_slli_epi16(h, 2) : t == 2 ? h
+                                                                                                : _mm256_srli_epi16(h, 2);
+    return _mm256_and_si256(moved, bits45);
+}
+
+/* n (<= X8_ROWS) rows of a repacked Q6_K group over its nb blocks. */
+static inline __attribute__((always_inline)) void q6x8_rows(const int n, const uint8_t *group, int64_t nb,
+                                                            const struct x8acts *a, __m256 *y) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    for (int r = 0; r < n; r++) y[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = group + b * Q6X8_BYTES;
+        __m256i isum[X8_ROWS], offset[X8_ROWS];
+        for (int r = 0; r < n; r++) isum[r] = offset[r] = zero;
+        for (int p = 0; p < 8; p++) {
+            const uint8_t *ql = blk + 144 + 128 * p, *qh = blk + 1168 + 64 * p;
+            const int8_t *q[X8_ROWS];
+            for (int r = 0; r < n; r++) q[r] = a[r].q + b * QK + 32 * p;
+            __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16 + 16 * p)));
+            for (int half = 0; half < 2; half++) { /* groups 0..3 (low nibbles, qh vector 0), then 4..7 */
+                __m256i top = _mm256_loadu_si256((const __m256i *)(qh + 32 * half)), w[4];
+                for (int t = 0; t < 4; t++) {
+                    __m256i packed = _mm256_loadu_si256((const __m256i *)(ql + 32 * t));
+                    w[t] = _mm256_or_si256(_mm256_and_si256(half ? _mm256_srli_epi16(packed, 4) : packed, low4),
+                                           q6_top(top, t));
+                }
+                for (int r = 0; r < n; r++) /* two groups' pair sums per int16 (<= 32004) */
+                    for (int t = 0; t < 4; t += 2) {
+                        const int8_t *x = q[r] + 16 * half + 4 * t;
+                        __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(w[t], broadcast4(x)),
+                                                        _mm256_maddubs_epi16(w[t + 1], broadcast4(x + 4)));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, scales));
+                    }
+            }
+            for (int r = 0; r < n; r++) /* 32 * sum_j sc_j * (sum of q over sub-block j), taken off below */
+                offset[r] = _mm256_add_epi32(offset[r], _mm256_madd_epi16(scales, _mm256_set1_epi32(a[r].pairs[8 * b + p])));
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int r = 0; r < n; r++)
+            y[r] = chain_lanes(T_Q6_K, d, d, a[r].d[b], _mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset[r], 5)), zero,
+                               y[r]);
+    }
+}
+#endif
+
 /* ---- one call: several weight segments side by side, every row ------------------------------------ */
 
 struct job {
     int64_t m, k;
     const struct acts *a32, *a256; /* per row */
+    const struct x8acts *x4, *x6;  /* per row, in the repacked Q4_K / Q6_K order (NULL where none runs) */
     int nseg;
     const uint8_t *const *data;
     const int *types;
@@ -605,8 +855,59 @@ static void few_rows_k(const struct job *job, int type, const uint8_t *w, int64_
 }
 #endif
 
+#if BG_X8
+static void x8_rows(int type, int n, const uint8_t *group, int64_t nb, const struct x8acts *a, __m256 *y) {
+#define X8_CASE(N) (type == T_Q4_K_X8 ? q4x8_rows(N, group, nb, a, y) : q6x8_rows(N, group, nb, a, y))
+    switch (n) {
+    case 1: X8_CASE(1); break;
+    case 2: X8_CASE(2); break;
+    case 3: X8_CASE(3); break;
+#if X8_ROWS > 4
+    case 4: X8_CASE(4); break;
+#endif
+#if X8_ROWS > 5
+    case 5: X8_CASE(5); break;
+#endif
+#if X8_ROWS > 6
+    case 6: X8_CASE(6); break;
+#endif
+#if X8_ROWS > 7
+    case 7: X8_CASE(7); break;
+#endif
+    default: X8_CASE(X8_ROWS);
+    }
+#undef X8_CASE
+}
+
+/* Group g of a repacked segment, every row, X8_ROWS at a time (each group's blocks are one stream). */
+static void x8_group(const struct job *job, int seg, int64_t g) {
+    int type = job->types[seg];
+    int64_t nb = job->k / QK, first = g * GROUP, col = job->starts[seg] + first;
+    int channels = (int)(job->ns[seg] - first < GROUP ? job->ns[seg] - first : GROUP);
+    const uint8_t *group = job->data[seg] + g * nb * (type == T_Q4_K_X8 ? Q4X8_BYTES : Q6X8_BYTES);
+    const struct x8acts *a = type == T_Q4_K_X8 ? job->x4 : job->x6;
+    for (int64_t r0 = 0; r0 < job->m; r0 += X8_ROWS) {
+        int n = job->m - r0 < X8_ROWS ? (int)(job->m - r0) : X8_ROWS;
+        __m256 y[X8_ROWS];
+        float lanes[GROUP];
+        x8_rows(type, n, group, nb, a + r0, y);
+        for (int r = 0; r < n; r++) {
+            _mm256_storeu_ps(lanes, y[r]);
+            float *out = job->out + (r0 + r) * job->ldo + col;
+            for (int c = 0; c < channels; c++) out[c] = job->bias ? lanes[c] + job->bias[col + c] : lanes[c];
+        }
+    }
+}
+#endif
+
 static void run_group(const struct job *job, int seg, int64_t g, float *acc, struct unpacked *u) {
     int type = job->types[seg];
+#if BG_X8
+    if (is_x8(type)) {
+        x8_group(job, seg, g);
+        return;
+    }
+#endif
     int64_t values = 1, bytes = 1;
     block_gemm_block(type, &values, &bytes);
     int64_t nb = job->k / values, row_bytes = nb * bytes, first = g * GROUP;
@@ -718,9 +1019,14 @@ static void run_task(void *context, int64_t t) {
  * (the tests build that library too and compare the two bit for bit). */
 int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, const uint8_t *const *data,
                  const int *types, const int64_t *ns, const float *bias, float *out, int64_t ldo, int threads) {
-    int need32 = 0, need256 = 0;
+    int need32 = 0, need256 = 0, need_x4 = 0, need_x6 = 0;
     for (int s = 0; s < nseg; s++) {
         int64_t values = 1, bytes = 1;
+        if (is_x8(types[s])) {
+            if (!BG_X8 || k % QK) return -1;
+            need256 = 1, need_x4 |= types[s] == T_Q4_K_X8, need_x6 |= types[s] == T_Q6_K_X8;
+            continue;
+        }
         if (!block_gemm_block(types[s], &values, &bytes) || k % values) return -1;
         if (is_k(types[s])) need256 = 1;
         else need32 = 1;
@@ -747,15 +1053,30 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
             quantize_blocks(x + r * ldx, k, 256, q2, d2, s2);
         }
     }
+    /* the repacked types' order of the same q (and their pair sums) */
+    int8_t *xq = need_x4 || need_x6 ? malloc((size_t)(2 * m * k)) : NULL;
+    int32_t *xp = need_x4 || need_x6 ? malloc(sizeof(int32_t) * (size_t)(m * (k / 64 + k / 32))) : NULL;
+    struct x8acts *xa = need_x4 || need_x6 ? malloc(sizeof(struct x8acts) * (size_t)(2 * m)) : NULL;
+    if ((need_x4 || need_x6) && (!xq || !xp || !xa)) {
+        free(q), free(d), free(s16), free(a), free(starts), free(xq), free(xp), free(xa);
+        return -2;
+    }
+    for (int64_t r = 0; r < m && (need_x4 || need_x6); r++) {
+        const struct acts *row = &a[m + r];
+        xa[r] = (struct x8acts){xq + r * k, xp + r * (k / 64), row->d};
+        xa[m + r] = (struct x8acts){xq + (m + r) * k, xp + m * (k / 64) + r * (k / 32), row->d};
+        if (need_x4) x8_order(row->q, row->s16, k, 32, (int8_t *)xa[r].q, (int32_t *)xa[r].pairs);
+        if (need_x6) x8_order(row->q, row->s16, k, 16, (int8_t *)xa[m + r].q, (int32_t *)xa[m + r].pairs);
+    }
     int64_t *group_start = starts + nseg, col = 0, groups = 0;
     for (int s = 0; s < nseg; s++) {
         starts[s] = col, group_start[s] = groups;
         col += ns[s], groups += (ns[s] + GROUP - 1) / GROUP;
     }
     int64_t per_task = groups / (threads * 8) > 0 ? groups / (threads * 8) : 1;
-    struct job job = {m, k, a, a + m, nseg, data, types, ns, starts, bias, out, ldo, per_task, groups,
-                      group_start};
+    struct job job = {m, k, a, a + m, xa, xa ? xa + m : NULL, nseg, data, types, ns, starts, bias, out, ldo,
+                      per_task, groups, group_start};
     pool_for(threads, (groups + per_task - 1) / per_task, run_task, &job);
-    free(q), free(d), free(s16), free(a), free(starts);
+    free(q), free(d), free(s16), free(a), free(starts), free(xq), free(xp), free(xa);
     return 0;
 }

@@ -9,6 +9,8 @@ with 1 or 2 threads, on odd shapes and mixed types, and the AVX2 and portable bu
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
@@ -114,6 +116,32 @@ def test_avx2_and_portable_give_the_same_bits(portable_library, monkeypatch, row
         slow = gemm.linear(x)
         monkeypatch.undo()
         assert torch.equal(fast, slow)
+
+
+def test_q4_k_and_q6_k_run_repacked_from_a_file_map(portable_library, monkeypatch, tmp_path):
+    """With AVX2, Q4_K / Q6_K run repacked 8 channels to a block (the other types in the file's layout);
+    the repack leaves the file's pages to the page cache, and what it multiplies is still the file's
+    blocks: the same bits as the portable build reading them in place, before and after."""
+    lib = block_linear.library()
+    if not lib.block_gemm_avx2():
+        pytest.skip("this CPU has no AVX2: nothing is repacked")
+    parts = [weight("Q4_K", 21, 512, 1)[0], weight("Q6_K", 3, 512, 2)[0], weight("Q5_K", 9, 512, 3)[0]]
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(b"".join(w.data.tobytes() for w in parts))
+    with path.open("rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    flat, offset, on_file = np.frombuffer(memoryview(mapped), dtype=np.uint8), 0, []
+    for w in parts:
+        on_file.append(BlockWeight(w.type_name, flat[offset : offset + w.data.size], w.n, w.k))
+        offset += w.data.size
+    gemm = BlockLinear(on_file)
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7))
+    fast = gemm.linear(x)
+    assert [w.kernel_form(lib)[0] for w in on_file] == [112, 114, 13]
+    assert [w.kernel_form(lib)[1].nbytes for w in on_file] == [3 * 2 * 1184, 1 * 2 * 1680, 9 * 2 * 176]
+    monkeypatch.setattr(block_linear, "library", lambda: portable_library)
+    assert torch.equal(fast, gemm.linear(x))  # the portable build reads the released pages back
+    assert torch.equal(fast, BlockLinear(parts).linear(x))
 
 
 def test_shapes_it_cannot_run_are_refused():
