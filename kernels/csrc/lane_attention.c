@@ -62,10 +62,12 @@ static inline vf madd(vf a, vf b, vf c) {
 static inline vf madd(vf a, vf b, vf c) { return a * b + c; }
 #endif
 
-/* AVX2 with FMA and F16C but no AVX-512: the two hot loops (scores, weighted sums) keep each 16-lane
- * vector as two AVX registers themselves (`HALVES`). GCC compiles the generic 16-lane type there
- * through the stack (every operand stored and reloaded: ~5x slower attention over 2K keys on a
- * 2-core AMD EPYC); the lanes' operations and their order are the same, so are the bits. */
+/* AVX2 with FMA and F16C but no AVX-512: the hot loops (scores, their scaling, masking and maxima,
+ * the softmax's exponentials and sums, weighted sums) keep each 16-lane vector as two AVX registers
+ * themselves (`HALVES`). GCC compiles the generic 16-lane type there through the stack (every
+ * operand stored and reloaded: ~5x slower attention over 2K keys on a 2-core AMD EPYC; the softmax
+ * in generic vectors was still half of a 512-row prefill chunk's attention over 3.5K keys); the
+ * lanes' operations and their order are the same, so are the bits. */
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
     !defined(LANE_ATTENTION_NO_HALVES) /* the tests build it without them too, and compare the bits */
 #define HALVES 1
@@ -466,34 +468,87 @@ static inline __attribute__((always_inline)) vf key_lanes(const void *block, con
 /* n (<= QUERIES) queries' scores over one or two blocks of keys (k0, and k1 when `two`; float16
  * when `kh`): s[i][b] the lanes' dot products with query i (rows at qv + i * d). With 2n
  * independent chains the FMA pipes stay busy. n, two and kh are constants at every call site. */
+#if HALVES
+/* block_scores' chains with each vector as two AVX registers (`HALVES`), in a function of its own:
+ * inlined into attend_task's large body, GCC kept the 2 x 4 sums on the stack (a store and a reload
+ * on every multiply-add's chain: half the prefill time at 4K keys). The same fused chains, lane by
+ * lane, in the same order; lanes[i][x] the 8 lanes x of query i (x: block 0 low, high, block 1 ...). */
+static inline __attribute__((always_inline)) void scores_halves(const int n, const int two, const int kh,
+                                                                const float *qv, int64_t d, const void *k0,
+                                                                const void *k1, float lanes[QUERIES][4][8]) {
+    __m256 sum[QUERIES][4];
+    for (int i = 0; i < n; i++) sum[i][0] = sum[i][1] = sum[i][2] = sum[i][3] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c++) {
+        __m256 key[4];
+        for (int h = 0; h <= two; h++) {
+            const void *block = h ? k1 : k0;
+            for (int part = 0; part < 2; part++) key[2 * h + part] = eight_at(block, kh, c * W + 8 * part);
+        }
+        for (int i = 0; i < n; i++) {
+            __m256 q = _mm256_broadcast_ss(qv + i * d + c);
+            for (int x = 0; x < 2 + 2 * two; x++) sum[i][x] = _mm256_fmadd_ps(key[x], q, sum[i][x]);
+        }
+    }
+    for (int i = 0; i < n; i++)
+        for (int x = 0; x < 2 + 2 * two; x++) _mm256_storeu_ps(lanes[i][x], sum[i][x]);
+}
+
+#define SCORES_HALVES(N, TWO, KH)                                                                              \
+    static __attribute__((noinline)) void scores_halves_##N##TWO##KH(const float *qv, int64_t d, const void *k0, \
+                                                                      const void *k1, float lanes[QUERIES][4][8]) { \
+        scores_halves(N, TWO, KH, qv, d, k0, k1, lanes);                                                       \
+    }
+SCORES_HALVES(1, 0, 0) SCORES_HALVES(1, 0, 1) SCORES_HALVES(1, 1, 0) SCORES_HALVES(1, 1, 1)
+SCORES_HALVES(2, 0, 0) SCORES_HALVES(2, 0, 1) SCORES_HALVES(2, 1, 0) SCORES_HALVES(2, 1, 1)
+#undef SCORES_HALVES
+typedef void (*halves_scorer)(const float *, int64_t, const void *, const void *, float[QUERIES][4][8]);
+static const halves_scorer score_halves[2][2][2] = {
+    {{scores_halves_100, scores_halves_101}, {scores_halves_110, scores_halves_111}},
+    {{scores_halves_200, scores_halves_201}, {scores_halves_210, scores_halves_211}}};
+
+/* 8 lanes of a query's scores (keys key0..key0 + 7) as attend_queries' generic loop makes them:
+ * times the scale, -inf outside low..high, stored to the row, and the running maximum of those
+ * lanes (top8: 8 of the query's 16) taken as vmax does (the score where it is larger, else top). */
+static inline void scores_to_row(const float *sums, int64_t key0, int32_t low, int32_t high, float scale, float *row,
+                                 float *top8) {
+    __m256i key = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int32_t)key0));
+    __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(low), key),
+                                      _mm256_cmpgt_epi32(key, _mm256_set1_epi32(high)));
+    __m256 score = _mm256_mul_ps(_mm256_loadu_ps(sums), _mm256_set1_ps(scale));
+    score = _mm256_blendv_ps(score, _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(outside));
+    _mm256_storeu_ps(row, score);
+    __m256 top = _mm256_loadu_ps(top8);
+    _mm256_storeu_ps(top8, _mm256_blendv_ps(top, score, _mm256_cmp_ps(score, top, _CMP_GT_OQ)));
+}
+
+/* vexp16 on 8 lanes: the same operations in the same order (no fused multiply-add), the same bits. */
+static inline __m256 vexp8(__m256 x) {
+    const __m256 floor_ = _mm256_set1_ps(-87.0f);
+    __m256 keep = _mm256_cmp_ps(x, floor_, _CMP_GE_OQ);
+    x = _mm256_blendv_ps(floor_, x, keep);
+    __m256 fx = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f));
+    __m256i n = _mm256_cvttps_epi32(fx);
+    __m256 nf = _mm256_cvtepi32_ps(n);
+    n = _mm256_add_epi32(n, _mm256_castps_si256(_mm256_cmp_ps(nf, fx, _CMP_GT_OQ))); /* floor: one less */
+    nf = _mm256_cvtepi32_ps(n);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(nf, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(nf, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 z = _mm256_mul_ps(r, r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(bits)), keep);
+}
+#endif
+
 static inline __attribute__((always_inline)) void block_scores(const int n, const int two, const int kh, const float *qv,
                                                                int64_t d, const void *k0, const void *k1,
                                                                vf s[QUERIES][2]) {
-#if HALVES
-    { /* the same fused chains, each vector as two AVX registers (`HALVES`) */
-        __m256 sum[QUERIES][4];
-        for (int i = 0; i < QUERIES; i++) sum[i][0] = sum[i][1] = sum[i][2] = sum[i][3] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < d; c++) {
-            __m256 key[4];
-            for (int h = 0; h <= two; h++) {
-                const void *block = h ? k1 : k0;
-                for (int part = 0; part < 2; part++) key[2 * h + part] = eight_at(block, kh, c * W + 8 * part);
-            }
-            for (int i = 0; i < n; i++) {
-                __m256 q = _mm256_broadcast_ss(qv + i * d + c);
-                for (int x = 0; x < 2 + 2 * two; x++) sum[i][x] = _mm256_fmadd_ps(key[x], q, sum[i][x]);
-            }
-        }
-        for (int i = 0; i < QUERIES; i++)
-            for (int h = 0; h < 2; h++) {
-                float lanes[W];
-                _mm256_storeu_ps(lanes, sum[i][2 * h]);
-                _mm256_storeu_ps(lanes + 8, sum[i][2 * h + 1]);
-                s[i][h] = load(lanes);
-            }
-        return;
-    }
-#endif
     for (int i = 0; i < QUERIES; i++) s[i][0] = s[i][1] = (vf){0};
     for (int64_t c = 0; c < d; c++) {
         vf key0 = key_lanes(k0, kh, c), key1 = two ? key_lanes(k1, kh, c) : (vf){0};
@@ -527,7 +582,9 @@ static inline __attribute__((always_inline)) void attend_queries(
         low[i] = (vi){0} + (int32_t)lowest_key(p, window);
         high[i] = (vi){0} + (int32_t)p;
     }
+#if !HALVES
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#endif
     const int kh = blocked && half; /* the blocks the scores read: the cache's own (float16), or float32 */
     for (int64_t b = 0; b < blocks; b += 2) { /* two blocks of keys at a time, each read once per sweep */
         int64_t j0 = base + b * W, two = b + 1 < blocks;
@@ -544,6 +601,14 @@ static inline __attribute__((always_inline)) void attend_queries(
         }
         for (int64_t i0 = 0; i0 < queries; i0 += QUERIES) {
             int64_t n = queries - i0 < QUERIES ? queries - i0 : QUERIES;
+#if HALVES
+            float lanes[QUERIES][4][8] __attribute__((aligned(32)));
+            score_halves[n - 1][two][kh](qv + i0 * d, d, block[0], block[1], lanes);
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t x = 0; x < 2 + 2 * two; x++)
+                    scores_to_row(lanes[i][x], j0 + 8 * x, low[i0 + i][0], high[i0 + i][0], scale,
+                                  e + (i0 + i) * span + b * W + 8 * x, (float *)&top[i0 + i] + 8 * (x & 1));
+#else
             vf s[QUERIES][2];
 #define SCORES(N)                                                                                         \
     case N:                                                                                               \
@@ -576,17 +641,32 @@ static inline __attribute__((always_inline)) void attend_queries(
                     store(e + (i0 + i) * span + (b + h) * W, score);
                     top[i0 + i] = vmax(score, top[i0 + i]);
                 }
+#endif
         }
     }
     for (int64_t i = 0; i < queries; i++) {
-        vf largest = splat(lane_max(top[i])), part = (vf){0};
         float *row = e + i * span;
+#if HALVES /* vexp16's lanes 0..7 and 8..15 as two AVX registers, each lane's sum in the same order */
+        __m256 largest = _mm256_set1_ps(lane_max(top[i])), part[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t j = 0; j < span; j += W)
+            for (int h = 0; h < 2; h++) {
+                __m256 x = vexp8(_mm256_sub_ps(_mm256_loadu_ps(row + j + 8 * h), largest));
+                _mm256_storeu_ps(row + j + 8 * h, x);
+                part[h] = _mm256_add_ps(part[h], x);
+            }
+        float lanes[W];
+        _mm256_storeu_ps(lanes, part[0]);
+        _mm256_storeu_ps(lanes + 8, part[1]);
+        sums[i] = tree_sum(load(lanes));
+#else
+        vf largest = splat(lane_max(top[i])), part = (vf){0};
         for (int64_t j = 0; j < span; j += W) {
             vf x = vexp16(load(row + j) - largest);
             store(row + j, x);
             part = part + x;
         }
         sums[i] = tree_sum(part);
+#endif
     }
     /* The weighted sums, per query and element over its keys in ascending order, in three
      * ranges: its own keys below the ones every query of the task sees, those shared keys (all of
