@@ -23,16 +23,17 @@
  * integers it gives exactly (tests/kernels/test_block_gemm.py compares the two paths bit for bit).
  *
  * Work is split by groups of 8 output channels (one pool task covers several). With AVX2 (and F16C),
- * Q4_K and Q6_K, a Q4_K_M file's linears, run repacked 8 channels to a block, one channel to a
- * 32-bit lane (block_gemm_pack, once at load; see "the K-quants repacked" below): about half the
+ * the K-quants (Q4_K and Q6_K: a Q4_K_M file's linears; Q5_K) run repacked 8 channels to a block, one
+ * channel to a 32-bit lane (block_gemm_pack, once at load; see "the K-quants repacked" below): about half the
  * instructions, the activations read once for 8 channels, one sequential stream per group and
  * X8_ROWS rows at a time; on the coder's linears (2 cores, same bits) 1 row 68 -> 46 ms, 4 rows 135 ->
- * 67, 7 rows 179 -> 102. The other types stay in the file's layout: within a group each weight block
- * is unpacked once into small integers (u8, 0..63) and scale vectors, then used for every row, the
- * K-quant Q5_K by 8 rows at a time (each weight vector and scale pick loaded once for the 8); one
- * row, and up to FEW_ROWS rows of Q5_K, go channel by channel instead, each channel's row of blocks
- * read in order with a prefetch PREFETCH_BYTES ahead: one sequential stream per thread, which the
- * hardware prefetchers follow (8 rows of a group read block by block are 8 short streams).
+ * 67, 7 rows 179 -> 102. Without them (and for the legacy types) the file's layout: within a group
+ * each weight block is unpacked once into small integers (u8, 0..63) and scale vectors, then used for
+ * every row, the K-quants by 8 rows at a time (each weight vector and scale pick loaded once for the
+ * 8); one row, and up to FEW_ROWS rows of a K-quant, go channel by channel instead, each channel's
+ * row of blocks read in order with a prefetch PREFETCH_BYTES ahead: one sequential stream per
+ * thread, which the hardware prefetchers follow (8 rows of a group read block by block are 8 short
+ * streams). The activations are quantized row by row on the pool (a prefill chunk's 512 rows).
  */
 #include <math.h>
 #include <stdint.h>
@@ -560,7 +561,8 @@ static inline void chain(int type, const struct unpacked *u, float dx, const int
 
 /* ---- the K-quants repacked: 8 channels to a block, one channel to a lane (AVX2) --------------------- */
 
-/* Q4_K and Q6_K, the types of a Q4_K_M file's linears, are repacked once at load (block_gemm_pack) so
+/* The K-quants (Q4_K and Q6_K, the types of a Q4_K_M file's linears, and Q5_K) are repacked once at
+ * load (block_gemm_pack) so
  * that a block of 8 channels holds, in each 32-bit lane of a vector, 4 weights of one channel: 2 of
  * sub-block j and 2 of sub-block j + 1 (j even). vpmaddubsw against 4 activations broadcast to every
  * lane then leaves each channel's sub-block j and j + 1 partial sums side by side in its lane, and one
@@ -571,7 +573,7 @@ static inline void chain(int type, const struct unpacked *u, float dx, const int
  *
  * The integers are the same: isum = sum_j sc_j * (w . q over sub-block j) and msum = sum_j mn_j *
  * sum(q over j), summed in int16 only where they cannot overflow (Q4_K: 8 pair sums of |15 * 127 * 2|
- * <= 30480; Q6_K: 2 of |63 * 127 * 2| <= 32004) and in int32 after, and each lane's chain is
+ * <= 30480; Q5_K: 4 of 31 * 127 * 2; Q6_K: 2 of |63 * 127 * 2| <= 32004) and in int32 after, and each lane's chain is
  * chain_one's. So the outputs are the bits of the file's layout on any path (tested against the
  * portable build).
  *
@@ -579,12 +581,15 @@ static inline void chain(int type, const struct unpacked *u, float dx, const int
  * (u8, the 6-bit scales and mins of sub-blocks 2p, 2p + 1); qs[4 pairs][8 vectors][8 channels][4
  * bytes]: byte i of a channel's lane in vector v holds group v in its low nibble and group v + 8 in its
  * high one, where group t, byte i is value 2t + (i & 1) of sub-block 2p + (i >> 1).
+ * Q5_K x8 (1440 bytes = 8 * 176 + 32): Q4_K x8 of the low 4 bits, then qh[4 pairs][2 halves][8][4]:
+ * bit v of a byte, the fifth bit of the same byte of group v + 8 * half.
  * Q6_K x8 (1680 bytes = 8 * 210): d[8] (float16); sc[8 pairs][8][2] (int8); ql[8 pairs][4 vectors][8][4]
  * (low 4 bits: groups v and v + 4 in the low and high nibble, groups of sub-blocks of 16 as above);
  * qh[8 pairs][2 vectors][8][4] (the top 2 bits: group 4h + u at bits 2u, 2u + 1 of vector h). */
 #define X8 100 /* a repacked type's id: its ggml id + X8 */
-enum { T_Q4_K_X8 = T_Q4_K + X8, T_Q6_K_X8 = T_Q6_K + X8 };
+enum { T_Q4_K_X8 = T_Q4_K + X8, T_Q5_K_X8 = T_Q5_K + X8, T_Q6_K_X8 = T_Q6_K + X8 };
 #define Q4X8_BYTES 1184
+#define Q5X8_BYTES 1440
 #define Q6X8_BYTES 1680
 #ifndef X8_ROWS
 #define X8_ROWS 6 /* rows advanced together: their int16 and int32 sums stay (mostly) in registers */
@@ -595,18 +600,24 @@ enum { T_Q4_K_X8 = T_Q4_K + X8, T_Q6_K_X8 = T_Q6_K + X8 };
 #define BG_X8 0
 #endif
 
-static inline int is_x8(int type) { return type == T_Q4_K_X8 || type == T_Q6_K_X8; }
+static inline int is_x8(int type) { return type == T_Q4_K_X8 || type == T_Q5_K_X8 || type == T_Q6_K_X8; }
+
+/* Bytes of a repacked block of 8 channels (a repacked type or the type it repacks). */
+static inline int64_t x8_bytes(int type) {
+    type = type > X8 ? type - X8 : type;
+    return type == T_Q4_K ? Q4X8_BYTES : type == T_Q5_K ? Q5X8_BYTES : Q6X8_BYTES;
+}
 
 /* The repacked id of a type this build runs repacked (0: it runs in the file's layout). */
 int block_gemm_packed_type(int type) {
-    return BG_X8 && (type == T_Q4_K || type == T_Q6_K) ? type + X8 : 0;
+    return BG_X8 && is_k(type) ? type + X8 : 0;
 }
 
 /* Bytes of the repacked form of an [n, k] weight of `type` (0 where block_gemm_packed_type is 0 or k
  * is not a whole number of blocks): ceil(n / 8) groups of k / 256 blocks, a short group zero-padded. */
 int64_t block_gemm_packed_bytes(int type, int64_t n, int64_t k) {
     if (!block_gemm_packed_type(type) || k % QK) return 0;
-    return (n + GROUP - 1) / GROUP * (k / QK) * (type == T_Q4_K ? Q4X8_BYTES : Q6X8_BYTES);
+    return (n + GROUP - 1) / GROUP * (k / QK) * x8_bytes(type);
 }
 
 /* Weight integer of channel c, pair p (sub-blocks of `sub` values), group t, byte i (see above). */
@@ -618,7 +629,7 @@ static void pack_group_block(int type, const uint8_t *const *src, int channels, 
     struct unpacked u;
     memset(&u, 0, sizeof u);
     for (int c = 0; c < channels; c++) unpack_portable(type, src[c], &u, c);
-    int q4 = type == T_Q4_K;
+    int q4 = type == T_Q4_K || type == T_Q5_K; /* Q5_K: Q4_K's layout, plus its fifth bits after it */
     for (int c = 0; c < channels; c++) /* the float16 scales' bytes as the file has them */
         memcpy(dst + 2 * c, src[c] + (q4 ? 0 : 208), 2), q4 ? (void)memcpy(dst + 16 + 2 * c, src[c] + 2, 2) : (void)0;
     uint8_t *scales = dst + (q4 ? 32 : 16), *qs = dst + (q4 ? 160 : 144);
@@ -634,8 +645,13 @@ static void pack_group_block(int type, const uint8_t *const *src, int channels, 
             for (int i = 0; i < 4; i++) {
                 if (q4) {
                     for (int v = 0; v < 8; v++)
-                        qs[256 * p + 32 * v + 4 * c + i] =
-                            (uint8_t)(x8_weight(&u, c, sub, p, v, i) | x8_weight(&u, c, sub, p, v + 8, i) << 4);
+                        qs[256 * p + 32 * v + 4 * c + i] = (uint8_t)((x8_weight(&u, c, sub, p, v, i) & 0xF) |
+                                                                     (x8_weight(&u, c, sub, p, v + 8, i) & 0xF) << 4);
+                    for (int h = 0; h < 2 && type == T_Q5_K; h++) {
+                        uint8_t fifth = 0;
+                        for (int v = 0; v < 8; v++) fifth |= (uint8_t)((x8_weight(&u, c, sub, p, v + 8 * h, i) >> 4) << v);
+                        dst[Q4X8_BYTES + 64 * p + 32 * h + 4 * c + i] = fifth;
+                    }
                     continue;
                 }
                 for (int v = 0; v < 4; v++)
@@ -673,8 +689,7 @@ static void pack_task(void *context, int64_t g) {
 int block_gemm_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst, int threads) {
     int64_t values = 1, bytes = 1;
     if (!block_gemm_packed_bytes(type, n, k) || !block_gemm_block(type, &values, &bytes)) return -1;
-    struct pack_job job = {type, src, n, k / QK, k / QK * bytes, bytes, type == T_Q4_K ? Q4X8_BYTES : Q6X8_BYTES,
-                           dst};
+    struct pack_job job = {type, src, n, k / QK, k / QK * bytes, bytes, x8_bytes(type), dst};
     pool_for(threads, (n + GROUP - 1) / GROUP, pack_task, &job);
     return 0;
 }
@@ -708,27 +723,42 @@ static inline __m256i broadcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* n (<= X8_ROWS) rows of a repacked Q4_K group over its nb blocks: y[r], the 8 channels' outputs. */
-static inline __attribute__((always_inline)) void q4x8_rows(const int n, const uint8_t *group, int64_t nb,
-                                                            const struct x8acts *a, __m256 *y) {
+/* The fifth bit of weight vector v (0..7) of a Q5_K half (bit v of each byte of `bits`) at bit 4. */
+static inline __m256i q5_fifth(__m256i bits, int v) {
+    __m256i moved = v <= 4 ? _mm256_slli_epi16(bits, 4 - v) : _mm256_srli_epi16(bits, v - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+
+/* n (<= X8_ROWS) rows of a repacked Q4_K (Q5_K when `five`) group over its nb blocks: y[r], the 8
+ * channels' outputs. Q5_K's pair sums reach 2 * 31 * 127: four of them per int16 before vpmaddwd. */
+static inline __attribute__((always_inline)) void q45x8_rows(const int n, const int five, const uint8_t *group,
+                                                             int64_t nb, const struct x8acts *a, __m256 *y) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < n; r++) y[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = group + b * Q4X8_BYTES;
+        const uint8_t *blk = group + b * (five ? Q5X8_BYTES : Q4X8_BYTES);
         __m256i isum[X8_ROWS], msum[X8_ROWS];
         for (int r = 0; r < n; r++) isum[r] = msum[r] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
             const uint8_t *qs = blk + 160 + 256 * p;
             __m256i scales = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * p)));
             for (int half = 0; half < 2; half++) { /* groups 0..7 (low nibbles), then 8..15 */
-                __m256i part[X8_ROWS];
+                __m256i part[X8_ROWS], fifths = five ? _mm256_loadu_si256((const __m256i *)(blk + Q4X8_BYTES + 64 * p +
+                                                                                            32 * half))
+                                                     : _mm256_setzero_si256();
                 for (int r = 0; r < n; r++) part[r] = _mm256_setzero_si256();
                 for (int v = 0; v < 8; v++) {
                     __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * v));
                     __m256i w = _mm256_and_si256(half ? _mm256_srli_epi16(packed, 4) : packed, low4);
+                    if (five) w = _mm256_or_si256(w, q5_fifth(fifths, v));
                     for (int r = 0; r < n; r++)
                         part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(
                                                        w, broadcast4(a[r].q + b * QK + 64 * p + 32 * half + 4 * v)));
+                    if (five && v == 3)
+                        for (int r = 0; r < n; r++) {
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], scales));
+                            part[r] = _mm256_setzero_si256();
+                        }
                 }
                 for (int r = 0; r < n; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], scales));
             }
@@ -738,7 +768,8 @@ static inline __attribute__((always_inline)) void q4x8_rows(const int n, const u
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        for (int r = 0; r < n; r++) y[r] = chain_lanes(T_Q4_K, d, dm, a[r].d[b], isum[r], msum[r], y[r]);
+        for (int r = 0; r < n; r++) /* Q5_K's chain is Q4_K's */
+            y[r] = chain_lanes(T_Q4_K, d, dm, a[r].d[b], isum[r], msum[r], y[r]);
     }
 }
 
@@ -857,7 +888,9 @@ static void few_rows_k(const struct job *job, int type, const uint8_t *w, int64_
 
 #if BG_X8
 static void x8_rows(int type, int n, const uint8_t *group, int64_t nb, const struct x8acts *a, __m256 *y) {
-#define X8_CASE(N) (type == T_Q4_K_X8 ? q4x8_rows(N, group, nb, a, y) : q6x8_rows(N, group, nb, a, y))
+#define X8_CASE(N)                                                                                            \
+    (type == T_Q4_K_X8 ? q45x8_rows(N, 0, group, nb, a, y)                                                    \
+                       : type == T_Q5_K_X8 ? q45x8_rows(N, 1, group, nb, a, y) : q6x8_rows(N, group, nb, a, y))
     switch (n) {
     case 1: X8_CASE(1); break;
     case 2: X8_CASE(2); break;
@@ -884,8 +917,8 @@ static void x8_group(const struct job *job, int seg, int64_t g) {
     int type = job->types[seg];
     int64_t nb = job->k / QK, first = g * GROUP, col = job->starts[seg] + first;
     int channels = (int)(job->ns[seg] - first < GROUP ? job->ns[seg] - first : GROUP);
-    const uint8_t *group = job->data[seg] + g * nb * (type == T_Q4_K_X8 ? Q4X8_BYTES : Q6X8_BYTES);
-    const struct x8acts *a = type == T_Q4_K_X8 ? job->x4 : job->x6;
+    const uint8_t *group = job->data[seg] + g * nb * x8_bytes(type);
+    const struct x8acts *a = type == T_Q6_K_X8 ? job->x6 : job->x4; /* Q4_K, Q5_K: sub-blocks of 32 */
     for (int64_t r0 = 0; r0 < job->m; r0 += X8_ROWS) {
         int n = job->m - r0 < X8_ROWS ? (int)(job->m - r0) : X8_ROWS;
         __m256 y[X8_ROWS];
@@ -1017,6 +1050,26 @@ static void run_task(void *context, int64_t t) {
  * bias (or NULL). Returns 0, or -1 for a type or shape not handled (k not a whole number of blocks),
  * -2 without memory. Compiled with BLOCK_GEMM_FORCE_PORTABLE, the portable integers and chains run
  * (the tests build that library too and compare the two bit for bit). */
+/* Row r's activations in every form the call's segments read, one pool task per row. */
+struct quantize_job {
+    const float *x;
+    int64_t k, ldx, m;
+    int need32, need256, need_x4, need_x6;
+    const struct acts *a;
+    const struct x8acts *xa;
+};
+
+static void quantize_task(void *context, int64_t r) {
+    const struct quantize_job *job = context;
+    const struct acts *a32 = &job->a[r], *a256 = &job->a[job->m + r];
+    if (job->need32) quantize_blocks(job->x + r * job->ldx, job->k, 32, (int8_t *)a32->q, (float *)a32->d, (int16_t *)a32->s16);
+    if (!job->need256) return;
+    quantize_blocks(job->x + r * job->ldx, job->k, 256, (int8_t *)a256->q, (float *)a256->d, (int16_t *)a256->s16);
+    if (job->need_x4) x8_order(a256->q, a256->s16, job->k, 32, (int8_t *)job->xa[r].q, (int32_t *)job->xa[r].pairs);
+    if (job->need_x6)
+        x8_order(a256->q, a256->s16, job->k, 16, (int8_t *)job->xa[job->m + r].q, (int32_t *)job->xa[job->m + r].pairs);
+}
+
 int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, const uint8_t *const *data,
                  const int *types, const int64_t *ns, const float *bias, float *out, int64_t ldo, int threads) {
     int need32 = 0, need256 = 0, need_x4 = 0, need_x6 = 0;
@@ -1024,7 +1077,7 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
         int64_t values = 1, bytes = 1;
         if (is_x8(types[s])) {
             if (!BG_X8 || k % QK) return -1;
-            need256 = 1, need_x4 |= types[s] == T_Q4_K_X8, need_x6 |= types[s] == T_Q6_K_X8;
+            need256 = 1, need_x4 |= types[s] != T_Q6_K_X8, need_x6 |= types[s] == T_Q6_K_X8;
             continue;
         }
         if (!block_gemm_block(types[s], &values, &bytes) || k % values) return -1;
@@ -1040,34 +1093,25 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
         free(q), free(d), free(s16), free(a), free(starts);
         return -2;
     }
-    for (int64_t r = 0; r < m; r++) {
-        if (need32) {
-            a[r] = (struct acts){q + r * k, d + r * (k / 32), s16 + r * (k / 16)};
-            quantize_blocks(x + r * ldx, k, 32, (int8_t *)a[r].q, (float *)a[r].d, (int16_t *)a[r].s16);
-        }
-        if (need256) {
-            int8_t *q2 = q + m * k + r * k;
-            float *d2 = d + m * (k / 32) + r * (k / 256);
-            int16_t *s2 = s16 + m * (k / 16) + r * (k / 16);
-            a[m + r] = (struct acts){q2, d2, s2};
-            quantize_blocks(x + r * ldx, k, 256, q2, d2, s2);
-        }
-    }
     /* the repacked types' order of the same q (and their pair sums) */
-    int8_t *xq = need_x4 || need_x6 ? malloc((size_t)(2 * m * k)) : NULL;
-    int32_t *xp = need_x4 || need_x6 ? malloc(sizeof(int32_t) * (size_t)(m * (k / 64 + k / 32))) : NULL;
-    struct x8acts *xa = need_x4 || need_x6 ? malloc(sizeof(struct x8acts) * (size_t)(2 * m)) : NULL;
-    if ((need_x4 || need_x6) && (!xq || !xp || !xa)) {
+    int need_x8 = need_x4 || need_x6;
+    int8_t *xq = need_x8 ? malloc((size_t)(2 * m * k)) : NULL;
+    int32_t *xp = need_x8 ? malloc(sizeof(int32_t) * (size_t)(m * (k / 64 + k / 32))) : NULL;
+    struct x8acts *xa = need_x8 ? malloc(sizeof(struct x8acts) * (size_t)(2 * m)) : NULL;
+    if (need_x8 && (!xq || !xp || !xa)) {
         free(q), free(d), free(s16), free(a), free(starts), free(xq), free(xp), free(xa);
         return -2;
     }
-    for (int64_t r = 0; r < m && (need_x4 || need_x6); r++) {
-        const struct acts *row = &a[m + r];
-        xa[r] = (struct x8acts){xq + r * k, xp + r * (k / 64), row->d};
-        xa[m + r] = (struct x8acts){xq + (m + r) * k, xp + m * (k / 64) + r * (k / 32), row->d};
-        if (need_x4) x8_order(row->q, row->s16, k, 32, (int8_t *)xa[r].q, (int32_t *)xa[r].pairs);
-        if (need_x6) x8_order(row->q, row->s16, k, 16, (int8_t *)xa[m + r].q, (int32_t *)xa[m + r].pairs);
+    for (int64_t r = 0; r < m; r++) {
+        a[r] = (struct acts){q + r * k, d + r * (k / 32), s16 + r * (k / 16)};
+        a[m + r] = (struct acts){q + m * k + r * k, d + m * (k / 32) + r * (k / 256), s16 + m * (k / 16) + r * (k / 16)};
+        if (need_x8) {
+            xa[r] = (struct x8acts){xq + r * k, xp + r * (k / 64), a[m + r].d};
+            xa[m + r] = (struct x8acts){xq + (m + r) * k, xp + m * (k / 64) + r * (k / 32), a[m + r].d};
+        }
     }
+    struct quantize_job quantize = {x, k, ldx, m, need32, need256, need_x4, need_x6, a, xa};
+    pool_for(m >= 8 ? threads : 1, m, quantize_task, &quantize); /* a few rows: not worth a hand-off */
     int64_t *group_start = starts + nseg, col = 0, groups = 0;
     for (int s = 0; s < nseg; s++) {
         starts[s] = col, group_start[s] = groups;

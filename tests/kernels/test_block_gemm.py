@@ -118,8 +118,8 @@ def test_avx2_and_portable_give_the_same_bits(portable_library, monkeypatch, row
         assert torch.equal(fast, slow)
 
 
-def test_q4_k_and_q6_k_run_repacked_from_a_file_map(portable_library, monkeypatch, tmp_path):
-    """With AVX2, Q4_K / Q6_K run repacked 8 channels to a block (the other types in the file's layout);
+def test_k_quants_run_repacked_from_a_file_map(portable_library, monkeypatch, tmp_path):
+    """With AVX2, the K-quants run repacked 8 channels to a block (the other types in the file's layout);
     the repack leaves the file's pages to the page cache, and what it multiplies is still the file's
     blocks: the same bits as the portable build reading them in place, before and after."""
     lib = block_linear.library()
@@ -137,8 +137,8 @@ def test_q4_k_and_q6_k_run_repacked_from_a_file_map(portable_library, monkeypatc
     gemm = BlockLinear(on_file)
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7))
     fast = gemm.linear(x)
-    assert [w.kernel_form(lib)[0] for w in on_file] == [112, 114, 13]
-    assert [w.kernel_form(lib)[1].nbytes for w in on_file] == [3 * 2 * 1184, 1 * 2 * 1680, 9 * 2 * 176]
+    assert [w.kernel_form(lib)[0] for w in on_file] == [112, 114, 113]  # ggml ids + 100; groups x blocks x bytes:
+    assert [w.kernel_form(lib)[1].nbytes for w in on_file] == [3 * 2 * 1184, 1 * 2 * 1680, 2 * 2 * 1440]
     monkeypatch.setattr(block_linear, "library", lambda: portable_library)
     assert torch.equal(fast, gemm.linear(x))  # the portable build reads the released pages back
     assert torch.equal(fast, BlockLinear(parts).linear(x))
