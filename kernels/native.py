@@ -139,3 +139,13 @@ def build_variant(extra: Sequence[str], folder: Path, signatures: dict[str, list
     where it does not compile."""
     path = build(extra, folder)
     return typed(ctypes.CDLL(str(path)), signatures) if path is not None else None
+
+
+_POOL_SIGNATURES = {"pool_alone": ([], ctypes.c_int)}
+
+
+def pool_alone() -> bool | None:
+    """Whether the kernels' pool currently runs its jobs on the calling thread alone (it found the
+    machine busy: csrc/pool.c); None without the library."""
+    lib = load(_POOL_SIGNATURES)
+    return None if lib is None else bool(lib.pool_alone())

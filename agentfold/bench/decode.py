@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agentfold.bench import llamacpp as bench_llamacpp
+from agentfold.bench.busy import busy_row
 from agentfold.bench.decode_rig import Choice, Rig, Roofline, load_rig
 from agentfold.bench.machine import finish_run, machine_info, run_header, utc_timestamp
 from agentfold.bench.mlx_baseline import MLX_LM_NUM_DRAFT_TOKENS, mlx_dtype, mlx_lm_decode, stock_attention
@@ -302,7 +303,7 @@ def _summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bool, machine: dict[str, Any],
-            say: Callable[[str], None]) -> dict[str, Any]:
+            say: Callable[[str], None], busy: bool = False) -> dict[str, Any]:
     """Every step from the roofline to the last workload, and the record they make (quality not yet in)."""
     roofline = Roofline.measure(rig, quick, say)
     loads = [(w, encode_chat(rig.tokenizer, w["messages"])) for w in workloads(quick)]
@@ -310,6 +311,10 @@ def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bo
     warmup = _warm_up(rig, llama, quick, say)
     rows = {load["name"]: _workload_row(rig, load, prompt, max_tokens, llama, roofline, say)
             for load, prompt in loads}
+    busy_machine = None
+    if busy:  # the fresh-code workload again, beside one busy process
+        name, prompt = next((load["name"], prompt) for load, prompt in loads if load["name"] == "fresh-code")
+        busy_machine = {"workload": name, **busy_row(rig.engine, llama, prompt, max_tokens, rig.eos, rows[name], say)}
     if llama is not None:
         llama.close()
     result: dict[str, Any] = {
@@ -325,6 +330,8 @@ def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bo
         "warmup": warmup,
         "workloads": rows,
     }
+    if busy_machine is not None:
+        result["busy_machine"] = busy_machine
     result["summary"] = _summary(rows)
     return result
 
@@ -352,13 +359,14 @@ def _append_quality(result: dict[str, Any], path: Path, quick: bool, choice: Cho
 def bench_decode(model: str | None, out: str | Path, draft_model: str | None = None, max_tokens: int = 128,
                  dtype: str | None = "float32", quick: bool = False, progress: Callable[[str], None] = print,
                  backend: str = "auto", quant: str = "auto", device: str = "auto", verdicts: Path | None = None,
-                 quality: bool = True) -> dict:
+                 quality: bool = True, busy: bool = False) -> dict:
     """Measure serial, drafted, mlx-lm and llama.cpp greedy decode on code-edit, fresh-code and prose; write JSON.
 
     `backend` / `quant` / `device` go to `build_engine`; `backend="auto"` remembers its verdict in
     `verdicts` (default: `models.verdict_file()`, the file `agentfold generate` reads too, so the
     bench measures the backend users get). `quality`: append the float32-vs-int8 report
-    (`bench_quality`; a short one when `quick`).
+    (`bench_quality`; a short one when `quick`). `busy`: the fresh-code workload's serial decode again
+    beside one busy process (`bench.busy`), against its idle rate and llama.cpp's.
     """
     say = progress or (lambda message: None)
     started = time.perf_counter()
@@ -376,7 +384,7 @@ def bench_decode(model: str | None, out: str | Path, draft_model: str | None = N
         verdicts = verdict_file()
     choice = Choice(backend, quant, device, dtype, verdicts)
     rig = load_rig(path, draft_model, choice, machine, say)
-    result = _record(rig, choice, timestamp, max_tokens, quick, machine, say)
+    result = _record(rig, choice, timestamp, max_tokens, quick, machine, say, busy)
     del rig  # the engines' memory goes back before the quality report loads its own
     if quality:
         _append_quality(result, path, quick, choice, say)

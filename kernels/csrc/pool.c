@@ -3,12 +3,21 @@
  * Workers start on first use, as many as the widest job asked for (less one: the caller works
  * too). A job is published by bumping the generation in `job`; the workers it takes spin for
  * SPIN_NS after each job they ran, then sleep on a condition variable of their own, and the caller
- * wakes the sleepers it needs under the mutex they sleep with, so no wake-up is lost. Tasks are handed out by an atomic counter; the caller then waits for the
- * workers that joined the job to finish. After fork() the child starts with no workers.
+ * wakes the sleepers it needs under the mutex they sleep with, so no wake-up is lost. Tasks are
+ * handed out by an atomic counter; the caller then waits for the workers that joined the job to
+ * finish. After fork() the child starts with no workers.
+ *
+ * On a busy machine (another process on the cores) a worker can wait for a core while the caller,
+ * done with its tasks, spins for it, and an idle worker's spin takes CPU from the caller's Python
+ * between kernels: beside one busy process on 2 cores, serial decode of the coder model kept 31% of
+ * its idle rate. So a job whose workers finish long after the caller ran out (STRAGGLE_NS, and
+ * longer than the caller's own part) sends the next jobs to the caller alone for ALONE_NS: 66% kept
+ * (bench decode --busy). The caller also yields while it waits that long.
  */
 #include "pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
@@ -17,6 +26,13 @@
 #ifndef SPIN_NS
 #define SPIN_NS 1000000 /* how long an idle worker spins before it sleeps: 1 ms */
 #endif
+/* A busy machine (another process on the cores the workers need): a job whose workers finish more
+ * than STRAGGLE_NS, and more than its own length, after the caller ran out of tasks had a worker
+ * waiting for a core. Jobs then run on the caller alone for ALONE_NS (the workers go to sleep and
+ * stop taking CPU from the caller and the other process), and then try the workers again. Which
+ * thread runs a task never changes a bit, so neither does this. */
+#define STRAGGLE_NS 2000000
+#define ALONE_NS 250000000
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -42,6 +58,7 @@ static struct {
     _Atomic int64_t next;  /* the next task to hand out */
     _Atomic int finished;  /* workers done with the current job */
     _Atomic uint64_t job;  /* generation << 32 | how many take part (the caller and workers 1..that-1) */
+    _Atomic int64_t alone_until; /* now_ns() before which jobs run on the caller alone (a busy machine) */
     struct slot slots[MAX_WORKERS + 1];
 } pool = {.calls = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER};
 
@@ -133,6 +150,8 @@ static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_work
 void pool_for(int threads, int64_t count, pool_task task, void *context) {
     if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
     if (threads > count) threads = (int)count;
+    int64_t began = threads > 1 ? now_ns() : 0;
+    if (threads > 1 && began < atomic_load_explicit(&pool.alone_until, memory_order_relaxed)) threads = 1;
     if (threads <= 1) {
         for (int64_t i = 0; i < count; i++) task(context, i);
         return;
@@ -154,6 +173,16 @@ void pool_for(int threads, int64_t count, pool_task task, void *context) {
         if (pool.slots[id].sleeping) pthread_cond_signal(&pool.slots[id].wake);
     pthread_mutex_unlock(&pool.sleep);
     run_tasks();
-    while (atomic_load_explicit(&pool.finished, memory_order_acquire) < joining - 1) relax();
+    int64_t ran_out = now_ns();
+    for (int spins = 0; atomic_load_explicit(&pool.finished, memory_order_acquire) < joining - 1; spins++) {
+        if ((spins & 1023) == 1023 && now_ns() - ran_out > STRAGGLE_NS)
+            sched_yield(); /* a worker without a core may be queued on this one */
+        relax();
+    }
+    int64_t waited = now_ns() - ran_out;
+    if (waited > STRAGGLE_NS && waited > ran_out - began)
+        atomic_store_explicit(&pool.alone_until, now_ns() + ALONE_NS, memory_order_relaxed);
     pthread_mutex_unlock(&pool.calls);
 }
+
+int pool_alone(void) { return now_ns() < atomic_load_explicit(&pool.alone_until, memory_order_relaxed); }

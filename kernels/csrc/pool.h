@@ -22,4 +22,7 @@ typedef void (*pool_task)(void *context, int64_t index);
  * several threads take turns; a task must not call pool_for itself. */
 void pool_for(int threads, int64_t count, pool_task task, void *context);
 
+/* Whether jobs currently run on the caller alone: a recent job found the machine busy (pool.c). */
+int pool_alone(void);
+
 #endif

@@ -1,10 +1,13 @@
 """The C kernels' one thread pool (csrc/pool.c): callers from several threads take turns and get
-their own results, and a forked child starts its own workers instead of waiting on its parent's."""
+their own results, a forked child starts its own workers instead of waiting on its parent's, and a
+busy machine (a worker that waits for a core) sends jobs to the caller alone for a while."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -64,3 +67,43 @@ def test_a_forked_child_runs_the_pool():
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung in the pool")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+POOL = {"pool_for": [ctypes.c_int, ctypes.c_int64, TASK, ctypes.c_void_p], "pool_alone": ([], ctypes.c_int)}
+
+
+def test_a_worker_left_without_a_core_sends_jobs_to_the_caller_alone():
+    """A worker that finishes long after the caller ran out of tasks (as when another process holds its
+    core) puts the pool in its alone mode: the next jobs run on the calling thread only (the workers
+    sleep instead of taking CPU), and a while later the workers take part again."""
+    lib = native.load(POOL)
+    time.sleep(0.3)  # any alone mode an earlier test left (callers on 4 threads over 2 cores) has ended
+    assert lib.pool_alone() == 0
+    caller = threading.get_ident()
+    ran_on: list[int] = []
+
+    def job(count: int, late_worker: bool) -> None:
+        """count tasks on 2 threads; a task on the caller waits until one has started on a worker."""
+        worker_started = threading.Event()
+
+        def task(_context: object, _index: int) -> None:
+            ran_on.append(threading.get_ident())
+            if threading.get_ident() == caller:
+                worker_started.wait(5.0)
+            else:
+                worker_started.set()
+                if late_worker:
+                    time.sleep(0.02)  # far past the caller's own work: a worker that waited for a core
+
+        lib.pool_for(2, count, TASK(task), None)
+
+    job(2, late_worker=True)
+    assert set(ran_on) - {caller} and lib.pool_alone() == 1
+    ran_on.clear()
+    lib.pool_for(2, 8, TASK(lambda _c, _i: ran_on.append(threading.get_ident())), None)
+    assert ran_on == [caller] * 8  # alone: every task on the caller
+    time.sleep(0.3)  # past ALONE_NS (250 ms)
+    ran_on.clear()
+    job(2, late_worker=False)
+    assert set(ran_on) - {caller}, "the workers did not take part again"
