@@ -23,12 +23,14 @@ from agentfold.bench.harness import ServerProcess
 from tests.helpers.live_assistants import PINNED, client_env, served_turns
 from tests.integrations.test_assistants_live import binary_or_skip, codex_events
 
-# A cold first turn prefills Codex's 6.5K-token / Claude Code's 13K-token prompt, at ~10 tok/s on the
-# 2-core CI machine (measured: Codex's first turn 625 s): past CI's 60 minutes with the rest of the
-# slow suite, so these run when asked (AGENTFOLD_LIVE_CODER=1), not in `.ci/run`.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+# A cold first turn prefills Claude Code's ~11.9K-token prompt (443 s on the 2-core AMD EPYC, 27 tok/s;
+# the whole test 540 s), so Claude Code's test runs in `.ci/run`'s slow suite. Codex's stays opt-in
+# (AGENTFOLD_LIVE_CODER=1): with Codex 0.171's tools the model writes its call to a tool Codex does not
+# declare (`read_stdin`, with write_stdin's arguments), which no parser can turn into a call.
+pytestmark = pytest.mark.slow
+CODEX_GATE = pytest.mark.skipif(
     os.environ.get("AGENTFOLD_LIVE_CODER") != "1",
-    reason="the real CLIs on the coder model take 15-40 min on 2 cores: set AGENTFOLD_LIVE_CODER=1")]
+    reason="the coder model names an undeclared tool with Codex 0.171 (README): set AGENTFOLD_LIVE_CODER=1 to run it")
 CLIENT_TIMEOUT_S = 2400
 NUMBER = "48213"
 NOTES = f"Project notes\n\nThe build cache key for this project is {NUMBER}.\nDo not share it outside the team.\n"
@@ -88,6 +90,7 @@ def test_claude_code_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path
     assert_round_trip_served_from_cache(turns, first["session_id"], "messages")
 
 
+@CODEX_GATE
 def test_codex_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path) -> None:
     codex = binary_or_skip("codex")
     home, project = workspace(tmp_path)
