@@ -27,13 +27,13 @@
  * channel to a 32-bit lane (block_gemm_pack, once at load; see "the K-quants repacked" below): about half the
  * instructions, the activations read once for 8 channels, one sequential stream per group and
  * X8_ROWS rows at a time; on the coder's linears (2 cores, same bits) 1 row 68 -> 46 ms, 4 rows 135 ->
- * 67, 7 rows 179 -> 102. Without them (and for the legacy types) the file's layout: within a group
- * each weight block is unpacked once into small integers (u8, 0..63) and scale vectors, then used for
- * every row, the K-quants by 8 rows at a time (each weight vector and scale pick loaded once for the
- * 8); one row, and up to FEW_ROWS rows of a K-quant, go channel by channel instead, each channel's
- * row of blocks read in order with a prefetch PREFETCH_BYTES ahead: one sequential stream per
- * thread, which the hardware prefetchers follow (8 rows of a group read block by block are 8 short
- * streams). The activations are quantized row by row on the pool (a prefill chunk's 512 rows).
+ * 67, 7 rows 179 -> 102. The legacy types (and, in a build without those instructions, the K-quants,
+ * through the portable integer loops) stay in the file's layout: within a group each weight block is
+ * unpacked once into small integers (u8, 0..63) and used for every row; one row goes channel by
+ * channel instead, each channel's row of blocks read in order with a prefetch PREFETCH_BYTES ahead:
+ * one sequential stream per thread, which the hardware prefetchers follow (8 rows of a group read
+ * block by block are 8 short streams). The activations are quantized row by row on the pool (a
+ * prefill chunk's 512 rows).
  */
 #include <math.h>
 #include <stdint.h>
@@ -154,14 +154,6 @@ struct unpacked {
     int16_t mn[GROUP][MAX_SUB];
     float d[GROUP], dm[GROUP];
     int subs, sub_len, offset; /* sub-blocks, their length, the constant subtracted from w (0, 8, 16, 32) */
-    /* AVX2 path, the K-quants: the scales (sv) and mins (mv) as int16 in "lane order": the 32 values
-     * 32v .. 32v + 31 of a block take element v of the low 128-bit lane for their first 16 and of the
-     * high lane for their last 16 (Q4_K / Q5_K: sc[v] in both; Q6_K: sc[2v], sc[2v + 1]). */
-    int16_t sv[GROUP][16] __attribute__((aligned(32)));
-    int16_t mv[GROUP][16] __attribute__((aligned(32)));
-    /* AVX2, few rows (from_raw): the K-quants' integers are made from the block in registers where
-     * they are used (few_rows_k), never stored. */
-    int from_raw;
 };
 
 static void k4_scale_min(int j, const uint8_t *s, int16_t *sc, int16_t *m) {
@@ -175,40 +167,8 @@ static void k4_scale_min(int j, const uint8_t *s, int16_t *sc, int16_t *m) {
 }
 
 #if BG_AVX2
-/* A K-quant block's 256 weight integers as 8 vectors of 32 (values 32v .. 32v + 31), straight
- * from the block: what unpack_one's loops write. 16-bit shifts: the masks drop what crosses a byte. */
-static inline void k_weights(int type, const uint8_t *blk, __m256i *w8) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
-    if (type == T_Q4_K || type == T_Q5_K) {
-        const uint8_t *qs = blk + (type == T_Q4_K ? 16 : 48);
-        __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16)), fifth = _mm256_set1_epi8(0x10);
-        for (int t = 0; t < 4; t++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * t));
-            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            if (type == T_Q5_K) { /* bit 2t (2t + 1) of qh[l]: the fifth bit of lo (hi) */
-                __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * t))), b1 = _mm256_set1_epi8((char)(2 << (2 * t)));
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), fifth));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), fifth));
-            }
-            w8[2 * t] = lo, w8[2 * t + 1] = hi;
-        }
-        return;
-    }
-    for (int half = 0; half < 2; half++) { /* Q6_K */
-        const uint8_t *l8 = blk + 64 * half, *h8 = blk + 128 + 32 * half;
-        __m256i a = _mm256_loadu_si256((const __m256i *)l8), b = _mm256_loadu_si256((const __m256i *)(l8 + 32));
-        __m256i h = _mm256_loadu_si256((const __m256i *)h8);
-        __m256i *o = w8 + 4 * half;
-        o[0] = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), two));
-        o[1] = _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), two));
-        o[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(h, two));
-        o[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
-                               _mm256_and_si256(_mm256_srli_epi16(h, 2), two));
-    }
-}
-
-/* The weight integers of the common types with AVX2 (the same bytes unpack_one's loops write):
- * 1 for a type it unpacked, 0 for one left to the loops. */
+/* The weight integers of Q4_0 / Q4_1 with AVX2 (the same bytes unpack_one's loops write): 1 for a
+ * type it unpacked, 0 for one left to the loops (the K-quants run repacked, `x8`, or in the loops). */
 static int unpack_ints_avx2(int type, const uint8_t *blk, uint8_t *w) {
     switch (type) {
     case T_Q4_0:
@@ -216,14 +176,6 @@ static int unpack_ints_avx2(int type, const uint8_t *blk, uint8_t *w) {
         __m128i v = _mm_loadu_si128((const __m128i *)(blk + (type == T_Q4_0 ? 2 : 4)));
         _mm_store_si128((__m128i *)w, _mm_and_si128(v, _mm_set1_epi8(0x0F)));
         _mm_store_si128((__m128i *)(w + 16), _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)));
-        return 1;
-    }
-    case T_Q4_K:
-    case T_Q5_K:
-    case T_Q6_K: {
-        __m256i w8[8];
-        k_weights(type, blk, w8);
-        for (int v = 0; v < 8; v++) _mm256_store_si256((__m256i *)(w + 32 * v), w8[v]);
         return 1;
     }
     default:
@@ -237,32 +189,9 @@ static void unpack_portable(int type, const uint8_t *blk, struct unpacked *u, in
 static void unpack_one(int type, const uint8_t *blk, struct unpacked *u, int c) {
 #if BG_AVX2
     uint8_t *w = u->w[c];
-    if ((u->from_raw && is_k(type)) || unpack_ints_avx2(type, blk, w)) { /* the scales as the loops set them */
-        switch (type) {
-        case T_Q4_0: u->d[c] = f16_at(blk), u->dm[c] = 0.0f; return;
-        case T_Q4_1: u->d[c] = f16_at(blk), u->dm[c] = f16_at(blk + 2); return;
-        case T_Q4_K:
-        case T_Q5_K: { /* k4_scale_min's bit fields, four bytes at a time */
-            uint32_t s0, s1, s2, sc[2], mn[2];
-            memcpy(&s0, blk + 4, 4), memcpy(&s1, blk + 8, 4), memcpy(&s2, blk + 12, 4);
-            sc[0] = s0 & 0x3F3F3F3Fu, mn[0] = s1 & 0x3F3F3F3Fu;
-            sc[1] = (s2 & 0x0F0F0F0Fu) | (((s0 >> 6) & 0x03030303u) << 4);
-            mn[1] = ((s2 >> 4) & 0x0F0F0F0Fu) | (((s1 >> 6) & 0x03030303u) << 4);
-            __m128i scales = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc));
-            __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
-            _mm256_store_si256((__m256i *)u->sv[c], _mm256_broadcastsi128_si256(scales));
-            _mm256_store_si256((__m256i *)u->mv[c], _mm256_broadcastsi128_si256(mins));
-            u->d[c] = f16_at(blk), u->dm[c] = f16_at(blk + 2);
-            return;
-        }
-        case T_Q6_K: { /* int8 scales 0..15 -> evens in the low lane, odds in the high one */
-            const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-            __m128i scales = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), evens_odds);
-            _mm256_store_si256((__m256i *)u->sv[c], _mm256_cvtepi8_epi16(scales));
-            u->d[c] = f16_at(blk + 208), u->dm[c] = 0.0f;
-            return;
-        }
-        }
+    if (unpack_ints_avx2(type, blk, w)) { /* the scales as the loops set them */
+        u->d[c] = f16_at(blk), u->dm[c] = type == T_Q4_1 ? f16_at(blk + 2) : 0.0f;
+        return;
     }
 #endif
     unpack_portable(type, blk, u, c);
@@ -355,8 +284,6 @@ static void unpack(int type, const uint8_t *first, int64_t row_bytes, int64_t bl
             memset(u->w[c], 0, sizeof u->w[c]);
             memset(u->sc[c], 0, sizeof u->sc[c]);
             memset(u->mn[c], 0, sizeof u->mn[c]);
-            memset(u->sv[c], 0, sizeof u->sv[c]);
-            memset(u->mv[c], 0, sizeof u->mv[c]);
             u->d[c] = u->dm[c] = 0.0f;
         }
     }
@@ -400,30 +327,6 @@ static inline __m256i sums_of_8(const __m256i *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* A K-quant row's 16 sums per 16 in lane order (evens low, odds high), for vpmaddwd with sv / mv. */
-static inline __m256i lane_sums(const int16_t *s16) {
-    const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)s16), pairs), 0xD8);
-}
-
-/* One K-quant block of one channel (its weight integers w8, its lane-ordered scales and mins)
- * against one row's 256 activations q (sums: their lane_sums): the 8 lanes whose sum is the scaled
- * integer sum, and (*mins) the lanes of the mins' sum (zero for Q6_K, which has none). */
-static inline __m256i k_ints(int type, const __m256i *w8, __m256i scales, __m256i mv, const int8_t *q, __m256i sums,
-                             __m256i *mins) {
-    __m256i total = _mm256_setzero_si256();
-    for (int v = 0; v < 8; v++) {
-        __m256i pick = _mm256_set1_epi16((int16_t)(0x0100 * (2 * v + 1) + 2 * v)); /* int16 element v of each lane */
-        __m256i p = _mm256_maddubs_epi16(w8[v], _mm256_loadu_si256((const __m256i *)(q + 32 * v)));
-        total = _mm256_add_epi32(total, _mm256_madd_epi16(p, _mm256_shuffle_epi8(scales, pick)));
-    }
-    if (type == T_Q6_K) /* minus 32 * sum_i sc_i * (sum of q over the 16 values of scale i) */
-        total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums), 5));
-    *mins = type == T_Q6_K ? _mm256_setzero_si256() : _mm256_madd_epi16(mv, sums);
-    return total;
-}
-
 /* A legacy block (Q4_0 .. Q8_0, 32 values) of one channel against one row's x: 8 lanes of pair
  * sums (u8 weights, s8 activations: pair sums <= 2 * 63 * 127, never saturating; Q8_0 as
  * |w| * (x sgn w)) whose total is the raw dot product. */
@@ -433,8 +336,8 @@ static inline __m256i legacy_lanes(int type, __m256i w, __m256i x) {
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-/* The same integers as block_ints_portable for a legacy type (the K-quants go by k_rows or
- * few_rows_k), 8 channels in the 8 lanes of isum / second. */
+/* The same integers as block_ints_portable for a legacy type, 8 channels in the 8 lanes of isum /
+ * second. */
 static void block_ints_avx2(int type, const struct unpacked *u, const int8_t *q, const int16_t *s16,
                             __m256i *isum, __m256i *second) {
     __m256i acc[GROUP], x = _mm256_loadu_si256((const __m256i *)q);
@@ -443,59 +346,6 @@ static void block_ints_avx2(int type, const struct unpacked *u, const int8_t *q,
     int32_t qsum = s16[0] + s16[1];
     *isum = _mm256_sub_epi32(sums_of_8(acc), _mm256_set1_epi32(u->offset * qsum));
     *second = _mm256_set1_epi32(type == T_Q4_1 || type == T_Q5_1 ? qsum : 0);
-}
-
-/* block_ints_avx2 for n (<= ROWS) rows of a K-quant block at once: each weight vector and scale
- * pick is made once for all of them (per row they were reloaded and reshuffled). The same integers. */
-#ifndef ROWS
-#define ROWS 8
-#endif
-static inline __attribute__((always_inline)) void k_rows_n(const int n, int type, const struct unpacked *u,
-                                                           const int8_t *const *q, const int16_t *const *s16,
-                                                           __m256i *isum, __m256i *second) {
-    __m256i acc[ROWS][GROUP], mins[ROWS][GROUP], sums[ROWS];
-    for (int r = 0; r < n; r++) sums[r] = lane_sums(s16[r]);
-    for (int c = 0; c < GROUP; c++) {
-        __m256i total[ROWS], scales = _mm256_load_si256((const __m256i *)u->sv[c]);
-        for (int r = 0; r < n; r++) total[r] = _mm256_setzero_si256();
-        for (int v = 0; v < 8; v++) {
-            __m256i w = _mm256_load_si256((const __m256i *)(u->w[c] + 32 * v));
-            __m256i pick = _mm256_set1_epi16((int16_t)(0x0100 * (2 * v + 1) + 2 * v));
-            __m256i sc = _mm256_shuffle_epi8(scales, pick);
-            for (int r = 0; r < n; r++) {
-                __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)(q[r] + 32 * v)));
-                total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(p, sc));
-            }
-        }
-        for (int r = 0; r < n; r++) {
-            if (u->offset)
-                total[r] = _mm256_sub_epi32(total[r], _mm256_slli_epi32(_mm256_madd_epi16(scales, sums[r]), 5));
-            acc[r][c] = total[r];
-            if (type != T_Q6_K) mins[r][c] = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)u->mv[c]), sums[r]);
-        }
-    }
-    for (int r = 0; r < n; r++) {
-        isum[r] = sums_of_8(acc[r]);
-        second[r] = type == T_Q6_K ? _mm256_setzero_si256() : sums_of_8(mins[r]);
-    }
-}
-
-static void k_rows(int n, int type, const struct unpacked *u, const int8_t *const *q, const int16_t *const *s16,
-                   __m256i *isum, __m256i *second) {
-#define K_ROWS(N) k_rows_n(N, type, u, q, s16, isum, second)
-    switch (n) {
-    case 1: K_ROWS(1); break;
-    case 2: K_ROWS(2); break;
-    case 3: K_ROWS(3); break;
-#if ROWS > 4
-    case 4: K_ROWS(4); break;
-    case 5: K_ROWS(5); break;
-    case 6: K_ROWS(6); break;
-    case 7: K_ROWS(7); break;
-#endif
-    default: K_ROWS(ROWS);
-    }
-#undef K_ROWS
 }
 
 /* The lanes' sum (exact, any order). */
@@ -842,50 +692,6 @@ struct job {
 #define PREFETCH_BYTES 256
 #endif
 
-#if BG_AVX2
-/* A few rows (m <= FEW_ROWS) of a K-quant segment, channel by channel: each channel's row of
- * blocks read in order (one stream per thread), each block's weight integers made once in registers
- * for the m rows, and the 8 lanes of a (row, block) summed 8 blocks at a time (sums_of_8 over the
- * blocks, not the channels), then the chain block by block in order: the same integers and chain
- * as the group path. Small verify passes cost little more than a serial step this way. */
-#define FEW_ROWS 4
-static void few_rows_k(const struct job *job, int type, const uint8_t *w, int64_t row_bytes, int64_t bytes,
-                       int64_t nb, int channels, int64_t col, const struct acts *a, struct unpacked *u) {
-    const int64_t m = job->m;
-    __m256i tot[FEW_ROWS][8], mn[FEW_ROWS][8];
-    int32_t isum[8] __attribute__((aligned(32))), second[8] __attribute__((aligned(32)));
-    float d[8], dm[8];
-    for (int c = 0; c < channels; c++) {
-        const uint8_t *row = w + c * row_bytes;
-        float y[FEW_ROWS] = {0};
-        for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-            int n = nb - b0 < 8 ? (int)(nb - b0) : 8;
-            for (int i = 0; i < 8; i++)
-                for (int64_t r = 0; r < m; r++) tot[r][i] = mn[r][i] = _mm256_setzero_si256();
-            for (int i = 0; i < n; i++) {
-                const uint8_t *blk = row + (b0 + i) * bytes;
-                _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
-                unpack_one(type, blk, u, 0);
-                d[i] = u->d[0], dm[i] = u->dm[0];
-                __m256i w8[8], scales = _mm256_load_si256((const __m256i *)u->sv[0]);
-                __m256i mv = _mm256_load_si256((const __m256i *)u->mv[0]);
-                k_weights(type, blk, w8);
-                for (int64_t r = 0; r < m; r++)
-                    tot[r][i] = k_ints(type, w8, scales, mv, a[r].q + (b0 + i) * QK,
-                                       lane_sums(a[r].s16 + (b0 + i) * QK / 16), &mn[r][i]);
-            }
-            for (int64_t r = 0; r < m; r++) {
-                _mm256_store_si256((__m256i *)isum, sums_of_8(tot[r]));
-                _mm256_store_si256((__m256i *)second, sums_of_8(mn[r]));
-                for (int i = 0; i < n; i++) y[r] = chain_one(type, d[i], dm[i], a[r].d[b0 + i], isum[i], second[i], y[r]);
-            }
-        }
-        for (int64_t r = 0; r < m; r++)
-            job->out[r * job->ldo + col + c] = job->bias ? y[r] + job->bias[col + c] : y[r];
-    }
-}
-#endif
-
 #if BG_X8
 static void x8_rows(int type, int n, const uint8_t *group, int64_t nb, const struct x8acts *a, __m256 *y) {
 #define X8_CASE(N)                                                                                            \
@@ -947,13 +753,6 @@ static void run_group(const struct job *job, int seg, int64_t g, float *acc, str
     int channels = (int)(job->ns[seg] - first < GROUP ? job->ns[seg] - first : GROUP);
     const uint8_t *w = job->data[seg] + first * row_bytes;
     const struct acts *a = is_k(type) ? job->a256 : job->a32;
-#if BG_AVX2
-    if (job->m <= FEW_ROWS && is_k(type)) {
-        block_shape(type, u);
-        few_rows_k(job, type, w, row_bytes, bytes, nb, channels, job->starts[seg] + first, a, u);
-        return;
-    }
-#endif
     if (job->m == 1) { /* one row: channel after channel, each row of blocks read in order */
         int64_t col = job->starts[seg] + first;
         block_shape(type, u);
@@ -965,12 +764,14 @@ static void run_group(const struct job *job, int seg, int64_t g, float *acc, str
                 int32_t isum, second;
 #if BG_AVX2
                 _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
-                unpack_one(type, blk, u, 0);
-                channel_ints_avx2(type, u, 0, a[0].q + b * values, a[0].s16 + b * values / 16, &isum, &second);
-#else
-                unpack_one(type, blk, u, 0);
-                channel_ints_portable(type, u, 0, a[0].q + b * values, &isum, &second);
 #endif
+                unpack_one(type, blk, u, 0);
+#if BG_AVX2
+                if (!is_k(type))
+                    channel_ints_avx2(type, u, 0, a[0].q + b * values, a[0].s16 + b * values / 16, &isum, &second);
+                else
+#endif
+                    channel_ints_portable(type, u, 0, a[0].q + b * values, &isum, &second);
                 y = chain_one(type, u->d[0], u->dm[0], a[0].d[b], isum, second, y);
             }
             job->out[col + c] = job->bias ? y + job->bias[col + c] : y;
@@ -989,32 +790,20 @@ static void run_group(const struct job *job, int seg, int64_t g, float *acc, str
 #endif
     for (int64_t b = 0; b < nb; b++) {
         unpack(type, w, row_bytes, bytes, b, channels, u);
-#if BG_AVX2
-        if (is_k(type)) { /* rows by ROWS at a time, each weight vector shared */
-            for (int64_t r0 = 0; r0 < job->m; r0 += ROWS) {
-                int n = job->m - r0 < ROWS ? (int)(job->m - r0) : ROWS;
-                const int8_t *q[ROWS];
-                const int16_t *s16[ROWS];
-                __m256i isum[ROWS], second[ROWS];
-                for (int r = 0; r < n; r++) q[r] = a[r0 + r].q + b * values, s16[r] = a[r0 + r].s16 + b * values / 16;
-                k_rows(n, type, u, q, s16, isum, second);
-                for (int r = 0; r < n; r++) chain_avx2(type, u, a[r0 + r].d[b], isum[r], second[r], acc + (r0 + r) * GROUP);
-            }
-            continue;
-        }
-#endif
         for (int64_t r = 0; r < job->m; r++) {
             const int8_t *q = a[r].q + b * values;
             const int16_t *s16 = a[r].s16 + b * values / 16;
 #if BG_AVX2
-            __m256i isum, second;
-            block_ints_avx2(type, u, q, s16, &isum, &second);
-            chain_avx2(type, u, a[r].d[b], isum, second, acc + r * GROUP);
-#else
+            if (!is_k(type)) {
+                __m256i isum, second;
+                block_ints_avx2(type, u, q, s16, &isum, &second);
+                chain_avx2(type, u, a[r].d[b], isum, second, acc + r * GROUP);
+                continue;
+            }
+#endif
             int32_t isum[GROUP], second[GROUP];
             block_ints_portable(type, u, q, s16, isum, second);
             chain(type, u, a[r].d[b], isum, second, acc + r * GROUP);
-#endif
         }
     }
     int64_t col = job->starts[seg] + first;
@@ -1031,11 +820,6 @@ static void run_task(void *context, int64_t t) {
     struct unpacked *u = aligned_alloc(32, (sizeof(struct unpacked) + 31) / 32 * 32);
     float *acc = malloc(sizeof(float) * GROUP * (size_t)job->m);
     if (!u || !acc) abort();
-#if BG_AVX2
-    u->from_raw = job->m <= FEW_ROWS; /* few rows: K-quant integers made in registers (few_rows_k) */
-#else
-    u->from_raw = job->m == 1; /* one row: unpacked integers would be used once */
-#endif
     for (int64_t g = t * job->groups_per_task; g < (t + 1) * job->groups_per_task && g < job->total_groups; g++) {
         int seg = 0;
         while (seg + 1 < job->nseg && g >= job->group_start[seg + 1]) seg++;

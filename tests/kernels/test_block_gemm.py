@@ -139,6 +139,9 @@ def test_k_quants_run_repacked_from_a_file_map(portable_library, monkeypatch, tm
     fast = gemm.linear(x)
     assert [w.kernel_form(lib)[0] for w in on_file] == [112, 114, 113]  # ggml ids + 100; groups x blocks x bytes:
     assert [w.kernel_form(lib)[1].nbytes for w in on_file] == [3 * 2 * 1184, 1 * 2 * 1680, 2 * 2 * 1440]
+    monkeypatch.setattr(lib, "block_gemm_packed_type", lambda _type: 0)  # the file's layout on this build too
+    assert torch.equal(fast, BlockLinear([BlockWeight(w.type_name, w.data, w.n, w.k) for w in parts]).linear(x))
+    monkeypatch.undo()
     monkeypatch.setattr(block_linear, "library", lambda: portable_library)
     assert torch.equal(fast, gemm.linear(x))  # the portable build reads the released pages back
     assert torch.equal(fast, BlockLinear(parts).linear(x))
