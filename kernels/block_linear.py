@@ -117,7 +117,7 @@ class BlockLinear:
         self._ns = (ctypes.c_int64 * count)(*(w.n for w in weights))
         self._arguments: dict[str, tuple[ctypes.Array, ctypes.Array]] = {}
 
-    def _forms(self, lib: ctypes.CDLL) -> tuple[ctypes.Array, ctypes.Array]:
+    def _arguments_for(self, lib: ctypes.CDLL) -> tuple[ctypes.Array, ctypes.Array]:
         """The segments' data pointers and type ids for `lib` (repacked where it repacks)."""
         if lib._name not in self._arguments:
             forms = [w.kernel_form(lib) for w in self.weights]
@@ -147,7 +147,7 @@ class BlockLinear:
         lib = library()
         if lib is None:
             raise RuntimeError("block_linear: no C compiler here")
-        data, types = self._forms(lib)
+        data, types = self._arguments_for(lib)
         status = lib.block_linear(x.data_ptr(), m, self.k, x.stride(0), len(self.weights), data, types, self._ns,
                                   bias.data_ptr() if bias is not None else None, out.data_ptr(), self.n,
                                   torch.get_num_threads() if threads is None else threads)
