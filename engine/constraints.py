@@ -10,7 +10,7 @@ decoding has at that position: the same choice on serial and verify rows, the sa
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -112,10 +112,15 @@ def tool_call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def tool_call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None, parallel: bool = True) -> str:
+def tool_call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None, parallel: bool = True,
+                      special: Collection[str] = ()) -> str:
     """Lark grammar for one or more `<tool_call>{json}</tool_call>` blocks (Hermes / Qwen format).
 
-    `name` forces one function; otherwise any of `tools` may be called.
+    `name` forces one function; otherwise any of `tools` may be called. `special`: the tags that
+    are one special token in the served tokenizer (`lazy_calls.special_tags`; Qwen2.5: both).
+    llguidance reads such a token as a special token, never as the tag's text, yet its mask for
+    the text "<tool_call>" let Qwen's token through, and the matcher then stopped on it: a forced
+    call on the coder model was the bare tag. The grammar names the token where there is one.
     """
     chosen = [t for t in tools if (t.get("function", t)).get("name") == name] if name else list(tools)
     if not chosen:
@@ -124,9 +129,10 @@ def tool_call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None, 
     schema = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
     schema["x-guidance"] = _COMPACT
     repeat = "+" if parallel else ""
+    open_tag, close_tag = (f'({tag} | "{tag}")' if tag in special else f'"{tag}"' for tag in ("<tool_call>", "</tool_call>"))
     return (
         f"start: call{repeat}\n"
-        'call: "<tool_call>\\n" body "\\n</tool_call>" "\\n"?\n'
+        f'call: {open_tag} "\\n" body "\\n" {close_tag} "\\n"?\n'
         f"body: %json {json.dumps(schema)}\n"
     )
 

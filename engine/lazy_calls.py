@@ -6,7 +6,13 @@ free until the reply starts a call, in one of the two ways the served models wri
 - the Hermes / Qwen tag `<tool_call>` (a single special token where the tokenizer has one, as
   Qwen2.5's does, else the text; `special_tags` tells which);
 - a JSON object that begins by naming a declared tool, `{"name": "Read"` (any whitespace, also
-  inside a fenced json block), as small models and Llama 3.x write calls.
+  inside a fenced json block), as small models and Llama 3.x write calls;
+- a reply that opens with a JSON object whose first key is "name" (bare, or as the first thing in
+  a ```json fence): a call from its `{"name": "` on, whatever name the model had in mind. Small
+  models invent names there (Qwen2.5-Coder-1.5B under Codex's tools wrote `read_stdin` and
+  `read_file`, neither declared); held to the declared names, the same reply becomes a call the
+  client can run, where the text parser could only hand the client text. Only at the reply's
+  start: further in, a JSON object with a "name" key is as likely to be data (a package.json).
 
 From there to the end of the call every token must follow the call's grammar: the declared
 name's arguments under its JSON schema (`declared_only`), under `"arguments"` or `"parameters"`,
@@ -42,6 +48,8 @@ TAGS = ("<tool_call>", "</tool_call>")
 WS = r"[ \t\r\n]{0,24}"  # bounded: a small model must not loop on whitespace inside a call
 _JSON_OPTIONS = {"whitespace_pattern": WS, "item_separator": ",", "key_separator": ":"}
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
+# the start of a reply that opens a JSON object naming something: up to `{"name": "` (`lazy_tool_grammar`)
+LEAD = rf"[ \t\r\n]{{0,8}}(```(json)?[ \t]{{0,8}}\r?\n{WS})?\{{{WS}\"name\"{WS}:{WS}\""
 
 
 def is_lazy(grammar: str | None) -> bool:
@@ -62,9 +70,10 @@ def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] 
     that are single special tokens in the served tokenizer (`special_tags`)."""
     if not tools:
         raise ValueError("a lazy tool grammar needs at least one tool")
-    lines = [LAZY_MARK.rstrip("\n"), "%llguidance {}", "start: call* free", "free: TEXT", r"TEXT: /(.|\n)*/",
-             f"WS: /{WS}/", f"ARGKEY: /{WS},{WS}\"(arguments|parameters)\"{WS}:{WS}/", f"CLOSE: /{WS}\\}}/"]
-    calls, bodies = [], []
+    lines = [LAZY_MARK.rstrip("\n"), "%llguidance {}", "start: lead? call* free", "free: TEXT", r"TEXT: /(.|\n)*/",
+             f"WS: /{WS}/", f"ARGKEY: /{WS},{WS}\"(arguments|parameters)\"{WS}:{WS}/", f"CLOSE: /{WS}\\}}/",
+             f"lead_trig[lazy]: /{LEAD}/"]
+    calls, bodies, named = [], [], []
     for i, tool in enumerate(tools):
         schema = {**declared_only(tool.get("parameters") or {"type": "object"}), "x-guidance": _JSON_OPTIONS}
         lines += [f"args_{i}: %json {json.dumps(schema)}",
@@ -72,9 +81,13 @@ def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] 
                   f"HEAD_{i}: /{_name_head(tool['name'])}/",
                   f"json_trig_{i}[lazy]: TEXT /{_name_head(tool['name'])}/",
                   f"json_{i}: json_trig_{i} rest_{i}",
-                  f"body_{i}: HEAD_{i} rest_{i}"]
+                  f"body_{i}: HEAD_{i} rest_{i}",
+                  f"NAME_{i}: /{_regex(json.dumps(tool['name'], ensure_ascii=False)[1:])}/",
+                  f"named_{i}: NAME_{i} rest_{i}"]
         calls.append(f"json_{i}")
         bodies.append(f"body_{i}")
+        named.append(f"named_{i}")
+    lines.append(f"lead: lead_trig ({' | '.join(named)})")
     close = '(</tool_call> | "</tool_call>")' if "</tool_call>" in special else '"</tool_call>"'
     lines += [f"body: {' | '.join(bodies)}",
               'tag_trig[lazy]: TEXT "<tool_call>"',

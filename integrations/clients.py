@@ -80,7 +80,10 @@ def _codex(env: Env, scope: str) -> list[Target]:
                       f'and model = "{env.settings.model}" at the top of ~/.codex/config.toml instead')
     legacy = (Op((CODEX_PROFILE_KEY,), CODEX_PROFILE, remove=True, reason=default_reason),
               Op(("profiles", CODEX_PROFILE), ANYTHING, remove=True, reason=_CODEX_LEGACY))
-    profile_ops = ops_from(load_template("codex", "profile.toml", env.settings))
+    profile = load_template("codex", "profile.toml", env.settings)
+    # the MCP server off under this profile (profile.toml says why); Codex checks a layer's table whole
+    profile["mcp_servers"] = {"agentfold": {**fragment["mcp_servers"]["agentfold"], "enabled": False}}
+    profile_ops = ops_from(profile)
     kept = {key: value for key, value in _codex_legacy_profile(config).items()  # the user's own additions
             if not any(op.path == (key,) for op in profile_ops)}
     profile_ops += tuple(Op((key,), value, only_if_missing=True) for key, value in kept.items())

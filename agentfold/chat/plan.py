@@ -154,7 +154,8 @@ def grammar_for(plan: ChatPlan, special_tags: frozenset[str] | None = frozenset(
     if plan.tools and (plan.tool_choice == "required" or isinstance(plan.tool_choice, dict)):
         tools = [{"name": t.name, "parameters": t.parameters} for t in plan.tools]
         name = plan.tool_choice["name"] if isinstance(plan.tool_choice, dict) else None
-        return tool_call_grammar(tools, name=name, parallel=plan.parallel_tool_calls and name is None)
+        return tool_call_grammar(tools, name=name, parallel=plan.parallel_tool_calls and name is None,
+                                 special=special_tags or ())
     fmt = plan.response_format
     if fmt and fmt.get("type") == "json_object":
         return json_object_grammar()

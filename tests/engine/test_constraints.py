@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 import re
 
-from agentfold.engine.constraints import json_object_grammar, tool_call_grammar
+import numpy as np
+import pytest
+
+from agentfold.engine.constraints import GrammarConstraint, json_object_grammar, tool_call_grammar
 from agentfold.engine.decode import GenerationConfig
+from agentfold.engine.lazy_calls import special_tags
 from agentfold.engine.sampler import SamplingParams
 from tests.conftest import chat_ids
+from tests.helpers.coder import coder_gguf, coder_tokenizer
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
@@ -40,6 +45,27 @@ def test_required_tool_call_picks_a_declared_tool(smollm2_engine):
     completion = smollm2_engine.generate(ids, GenerationConfig(max_tokens=60, grammar=tool_call_grammar(TOOLS)))
     calls = [json.loads(body) for body in CALL.findall(completion.text)]
     assert calls and all(call["name"] in {"get_weather", "read_file"} for call in calls)
+
+
+@pytest.mark.skipif(coder_gguf() is None, reason="the coder model (qwen2.5-coder) is not here")
+@pytest.mark.parametrize("name", [None, "read_file"])
+def test_forced_call_takes_qwens_tag_tokens(name):
+    """Qwen2.5's `<tool_call>` is one special token. With the tag spelled as text, llguidance's
+    mask let that token through and its matcher then stopped on it: a forced call on the coder
+    model was the bare tag. The grammar names the tokens; the spelled tag is still accepted."""
+    tokenizer = coder_tokenizer()
+    grammar = tool_call_grammar(TOOLS, name=name, parallel=False, special=special_tags(tokenizer))
+    body = '\n{"name": "read_file", "arguments": {"path": "a.py"}}\n'
+    spelled = tokenizer.encode(f"<tool_call>{body}</tool_call>", add_special_tokens=False, split_special_tokens=True)
+    as_tokens = [151657, *tokenizer.encode(body, add_special_tokens=False), 151658]
+    for tokens in (as_tokens, spelled):
+        constraint = GrammarConstraint(tokenizer, grammar)
+        for token in tokens:
+            assert constraint.allowed(len(tokenizer))[token], tokenizer.decode(tokens)
+            constraint.advance(token)
+        assert constraint.matcher.is_accepting() and not constraint.matcher.is_error()
+    first = np.flatnonzero(GrammarConstraint(tokenizer, grammar).allowed(len(tokenizer)))
+    assert 151657 in first and all(tokenizer.decode([t]) in "<tool_call>" for t in first)
 
 
 def test_json_object_mode(smollm2_engine):

@@ -158,7 +158,7 @@ def test_qwen_call_tags_are_special_tokens_for_llguidance(qwen):
     spelled = [t for piece in ("<", "tool", "_call", ">") for t in qwen.encode(piece, add_special_tokens=False)]
     assert constraint_after(qwen, spelled).in_call  # the tag written as text starts a call too
     assert constraint_after(qwen, '```json\n{\n  "name": "Read"').in_call
-    assert not constraint_after(qwen, '```json\n{\n  "name": "Reader"').in_call  # not a declared tool
+    assert not constraint_after(qwen, 'See:\n```json\n{\n  "name": "Reader"').in_call  # mid-reply: data, not a call
     done = constraint_after(qwen, [151657, *qwen.encode('\n{"name": "Bash", "arguments": {"command": "ls"}}\n',
                                                           add_special_tokens=False), 151658])
     assert not done.in_call and done.live
@@ -173,12 +173,29 @@ def test_free_text_takes_any_token_and_a_call_only_valid_ones(qwen):
     inside = constraint_after(qwen, '```json\n{\n  "name": "Read",\n  "arguments": {\n    "')
     bad, good = qwen.encode("path", add_special_tokens=False)[0], qwen.encode("file", add_special_tokens=False)[0]
     assert pick(inside, [IM_END, bad, good]) == good and inside.masked_rows == 1  # no end, no undeclared key
-    overrun = constraint_after(qwen, '{"name": "Read')  # one token that ends the name and closes the object:
+    overrun = constraint_after(qwen, 'Then {"name": "Read')  # mid-reply, one token that ends the name and closes the object:
     (closing,) = qwen.encode('"}', add_special_tokens=False)  # the call it starts would have no arguments
     comma = qwen.encode('",', add_special_tokens=False)[0]
     assert not overrun.in_call and pick(overrun, [closing, comma]) == comma
     overrun.advance(comma)
     assert overrun.in_call
+
+
+@needs_coder
+@pytest.mark.parametrize("opening", ['```json\n{\n  "name": "', '{"name": "', '  ```\n{ "name" : "'])
+def test_a_reply_that_opens_a_named_object_calls_a_declared_tool(qwen, opening):
+    """Codex 0.171's tools on the coder model: the reply opened a fenced object naming `read_stdin`
+    or `read_file`, neither declared. From `{"name": "` on, only declared names are allowed."""
+    started = constraint_after(qwen, opening)
+    assert started.in_call
+    invented, declared = (qwen.encode(word, add_special_tokens=False)[0] for word in ("read", "Bash"))
+    assert pick(started, [invented, declared]) == declared and started.masked_rows == 1
+    for token in qwen.encode('Bash", "arguments": {"command": "cat notes.txt"}}\n```', add_special_tokens=False):
+        assert started._allows(token)
+        started.advance(token)
+    assert not started.in_call and started.live
+    prose = constraint_after(qwen, 'Here is the file:\n' + opening + 'my-app", "version": "1.0"}')  # data
+    assert not prose.in_call and prose.masked_rows == 0
 
 
 @needs_coder

@@ -158,7 +158,10 @@ def test_templates_say_what_api_md_says(tmp_path: Path) -> None:
     codex_config, codex_profile = (tomlkit.parse(c.new).unwrap() for c in integrate.plan("codex", env))
     codex = codex_config
     assert "profiles" not in codex and "profile" not in codex  # Codex 0.134+ refuses both
-    assert codex_profile == {"model_provider": "agentfold", "model": MODEL, "model_context_window": 32768}
+    instructions = codex_profile.pop("developer_instructions")  # a small model told to use the shell
+    assert "exec_command" in instructions and '{"cmd": "cat FILE"}' in instructions
+    assert codex_profile == {"model_provider": "agentfold", "model": MODEL, "model_context_window": 32768,
+                             "mcp_servers": {"agentfold": {"url": "http://127.0.0.1:8080/mcp", "enabled": False}}}
     assert codex["model_providers"]["agentfold"]["wire_api"] == "responses"
     assert codex["model_providers"]["agentfold"]["base_url"] == "http://127.0.0.1:8080/v1"
     assert codex["mcp_servers"]["agentfold"] == {"url": "http://127.0.0.1:8080/mcp"}
