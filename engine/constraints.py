@@ -112,6 +112,12 @@ def tool_call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def tag_rule(tag: str, special: Collection[str]) -> str:
+    """Grammar for a call tag: the special token or its text where `tag` is one special token in the
+    served tokenizer (`special`, as `lazy_calls.special_tags` finds them), else the text alone."""
+    return f'({tag} | "{tag}")' if tag in special else f'"{tag}"'
+
+
 def tool_call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None, parallel: bool = True,
                       special: Collection[str] = ()) -> str:
     """Lark grammar for one or more `<tool_call>{json}</tool_call>` blocks (Hermes / Qwen format).
@@ -129,7 +135,7 @@ def tool_call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None, 
     schema = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
     schema["x-guidance"] = _COMPACT
     repeat = "+" if parallel else ""
-    open_tag, close_tag = (f'({tag} | "{tag}")' if tag in special else f'"{tag}"' for tag in ("<tool_call>", "</tool_call>"))
+    open_tag, close_tag = (tag_rule(tag, special) for tag in ("<tool_call>", "</tool_call>"))
     return (
         f"start: call{repeat}\n"
         f'call: {open_tag} "\\n" body "\\n" {close_tag} "\\n"?\n'

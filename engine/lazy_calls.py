@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from agentfold.engine.constraints import GrammarConstraint, declared_only, ll_tokenizer
+from agentfold.engine.constraints import GrammarConstraint, declared_only, ll_tokenizer, tag_rule
 from agentfold.engine.sampler import SamplingParams, choose
 
 LAZY_MARK = "// agentfold: lazy tool calls\n"  # first line of a lazy grammar (`is_lazy`)
@@ -88,7 +88,7 @@ def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] 
         bodies.append(f"body_{i}")
         named.append(f"named_{i}")
     lines.append(f"lead: lead_trig ({' | '.join(named)})")
-    close = '(</tool_call> | "</tool_call>")' if "</tool_call>" in special else '"</tool_call>"'
+    close = tag_rule("</tool_call>", special)
     lines += [f"body: {' | '.join(bodies)}",
               'tag_trig[lazy]: TEXT "<tool_call>"',
               f"tagged: tag_trig WS body WS {close}"]

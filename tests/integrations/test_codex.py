@@ -58,9 +58,10 @@ def test_legacy_profile_moves_to_its_own_file(capsys, tmp_path: Path) -> None:
     assert "# my Codex config" in new and "# the work profile\n[profiles.work]" in new
     assert data["model_providers"]["agentfold"]["wire_api"] == "responses"
     profile = tomlkit.parse((config.parent / "agentfold.config.toml").read_text()).unwrap()
-    assert profile["approval_policy"] == "never"  # the user's addition to the old table comes along
-    assert {key: profile[key] for key in ("model_provider", "model", "model_context_window")} == {
-        "model_provider": "agentfold", "model": MODEL, "model_context_window": 32768}
+    assert "exec_command" in profile.pop("developer_instructions")  # a small model told to use the shell
+    assert profile == {"model_provider": "agentfold", "model": MODEL, "model_context_window": 32768,
+                       "mcp_servers": {"agentfold": {"url": "http://127.0.0.1:8080/mcp", "enabled": False}},
+                       "approval_policy": "never"}  # the user's addition to the old table comes along
     assert (config.parent / "config.toml.bak").read_text() == LEGACY
     assert "removed `profile = \"agentfold\"`" in err and "removed [profiles.agentfold]" in err
     assert "codex --profile agentfold" in err and "-[profiles.agentfold]" in out
