@@ -2,7 +2,7 @@
 
 A Q4_K_M model read this way streams 4.5-6.5 bits a weight per token instead of int8's 8 (plus its
 int8 output head), needs no conversion at load (the blocks are a view of the file's memory map;
-with AVX2, the K-quants are repacked 8 channels to a block on first use, the same bytes reordered,
+with AVX2, every type is repacked 8 channels to a block on first use, the same bytes reordered,
 ~1 s for the 1.1 GB coder model on 2 cores, and the file's pages are handed back), and multiplies
 with llama.cpp's own activation blocks (int8 per 256 values for the K-quants, per 32 for the
 others), so its numerics are llama.cpp's. The sums are integers and each output's float
@@ -72,8 +72,8 @@ class BlockWeight:
         return int(self.data.nbytes)
 
     def kernel_form(self, lib: ctypes.CDLL) -> tuple[int, np.ndarray]:
-        """The type id and bytes `lib` multiplies: the file's blocks, or (the K-quants where the build
-        has the AVX2 kernels) the same blocks repacked 8 channels to a block, made once per library."""
+        """The type id and bytes `lib` multiplies: the file's blocks, or (where the build has the AVX2
+        kernels) the same blocks repacked 8 channels to a block, made once per library."""
         if lib._name not in self._forms:
             type_id, data = TYPE_IDS[self.type_name], self.data
             packed_id = lib.block_gemm_packed_type(type_id)

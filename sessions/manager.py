@@ -136,6 +136,14 @@ class PreparedTurn:
         if self.save is not None and cache.length == self.target and self.saved is None:
             self.saved = self.save(cache, self.boundaries, self.used, self.reasons)
 
+    def snapshot_prefilled(self, cache: CacheState) -> str | None:
+        """Store a prefill stopped short of the reply (its client went away) where it stands, when that
+        is a boundary of the plan past the restored prefix: the same state a fresh prefill reaches
+        there, so a retry of the request restores it and still equals a fresh reply."""
+        if self.save is None or not self.cached < cache.length < self.target or cache.length not in self.boundaries:
+            return None
+        return self.save(cache, [b for b in self.boundaries if b < cache.length], self.used, self.reasons)
+
 
 class SessionManager:
     """Replies to message lists, resuming from the longest usable stored snapshot."""

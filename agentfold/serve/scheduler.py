@@ -70,6 +70,8 @@ class Runtime:
       `.cuts` and `.on_prefill` (session restore) and `turn.session`.
     - `after_turn(turn)`: after the reply (and its audit) finished, before the client gets the
       Completion; `turn.completion` is set (session snapshot, telemetry row).
+    - `after_cancel(turn)`: after a turn whose client went away was closed (its prefill stopped
+      between steps); the chunks it prefilled are still in its cache (session snapshot).
     - `after_response(turn)`: called by the HTTP layer (on the event loop, so keep it quick)
       once the API-level outcome is known: `turn.finish_reason` (stop | length | tool_calls) and
       `turn.tool_calls`. A hook that puts a `TurnRecord` in `turn.record` has it returned as
@@ -95,6 +97,7 @@ class Runtime:
         self.context_length = context_length or _context_length(engine)
         self.before_turn: Hook | None = None
         self.after_turn: Hook | None = None
+        self.after_cancel: Hook | None = None
         self.after_response: Hook | None = None
         self.counters = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0}
         self.lanes = LaneStats()
@@ -250,6 +253,11 @@ class Runtime:
         False once the turn has ended."""
         if turn.cancelled:
             self._close_iterators(turn)
+            if self.after_cancel is not None:
+                try:
+                    self.after_cancel(turn)
+                except Exception:  # a cancelled turn's bookkeeping must not take the worker down
+                    log.exception("after_cancel of turn %s", turn.id)
             self._end(turn, "cancelled")
             return False
         try:

@@ -77,6 +77,7 @@ class Service:
         self._random = random.Random(0)
         runtime.before_turn = self._before_turn
         runtime.after_turn = self._after_turn
+        runtime.after_cancel = self._after_cancel
         runtime.after_response = self._after_response
 
     def _open_sessions(self) -> SessionManager | None:
@@ -108,6 +109,17 @@ class Service:
         request.cache, request.cuts, request.session_id = prepared.cache, tuple(prepared.cuts), prepared.session_id
         request.on_prefill = prepared.snapshot_at_reply  # the engine's prefill chunks are scheduled passes
         turn.session = prepared
+
+    def _after_cancel(self, turn: Turn) -> None:
+        """Keep what a cancelled turn prefilled: a client that gives up on a long first turn and sends
+        it again (Claude Code after its API_TIMEOUT_MS) resumes from the last chunk, not from zero."""
+        prepared, turn.session = turn.session, None
+        if prepared is None:
+            return
+        try:
+            prepared.snapshot_prefilled(prepared.cache)
+        except (OSError, sqlite3.Error) as error:
+            log.warning("session store failed (%s): cancelled turn %s's prefill is not kept", error, turn.id)
 
     def _after_turn(self, turn: Turn) -> None:
         completion = turn.completion

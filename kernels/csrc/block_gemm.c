@@ -27,8 +27,9 @@
  * channel to a 32-bit lane (block_gemm_pack, once at load; see "the K-quants repacked" below): about half the
  * instructions, the activations read once for 8 channels, one sequential stream per group and
  * X8_ROWS rows at a time; on the coder's linears (2 cores, same bits) 1 row 68 -> 46 ms, 4 rows 135 ->
- * 67, 7 rows 179 -> 102. The legacy types (and, in a build without those instructions, the K-quants,
- * through the portable integer loops) stay in the file's layout: within a group each weight block is
+ * 67, 7 rows 179 -> 102. The legacy types (Q4_0 .. Q8_0) run repacked the same way ("the legacy types
+ * repacked" below; SmolLM2's Q4_1 file, one row: 66 -> 22 ms a token). In a build without those
+ * instructions every type stays in the file's layout, through the portable integer loops: within a group each weight block is
  * unpacked once into small integers (u8, 0..63) and used for every row; one row goes channel by
  * channel instead, each channel's row of blocks read in order with a prefetch PREFETCH_BYTES ahead:
  * one sequential stream per thread, which the hardware prefetchers follow (8 rows of a group read
@@ -450,24 +451,37 @@ enum { T_Q4_K_X8 = T_Q4_K + X8, T_Q5_K_X8 = T_Q5_K + X8, T_Q6_K_X8 = T_Q6_K + X8
 #define BG_X8 0
 #endif
 
-static inline int is_x8(int type) { return type == T_Q4_K_X8 || type == T_Q5_K_X8 || type == T_Q6_K_X8; }
-
-/* Bytes of a repacked block of 8 channels (a repacked type or the type it repacks). */
-static inline int64_t x8_bytes(int type) {
-    type = type > X8 ? type - X8 : type;
-    return type == T_Q4_K ? Q4X8_BYTES : type == T_Q5_K ? Q5X8_BYTES : Q6X8_BYTES;
+static inline int is_legacy(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0;
 }
+
+/* The type a repacked id repacks (a file type: itself). */
+static inline int x8_base(int type) { return type > X8 ? type - X8 : type; }
+
+static inline int is_x8(int type) { return type > X8 && (is_k(type - X8) || is_legacy(type - X8)); }
+
+/* Bytes of a repacked block of 8 channels (a repacked type or the type it repacks): 8 file blocks' bytes,
+ * plus 32 for Q4_K / Q5_K (their 6-bit scales and mins as bytes). */
+static inline int64_t x8_bytes(int type) {
+    int64_t values = 1, bytes = 1;
+    type = x8_base(type);
+    block_gemm_block(type, &values, &bytes);
+    return type == T_Q4_K ? Q4X8_BYTES : type == T_Q5_K ? Q5X8_BYTES : 8 * bytes;
+}
+
+/* Values along K of one block of a repacked (or file) type: 256 for the K-quants, 32 for the others. */
+static inline int64_t x8_values(int type) { return is_k(x8_base(type)) ? QK : Q32; }
 
 /* The repacked id of a type this build runs repacked (0: it runs in the file's layout). */
 int block_gemm_packed_type(int type) {
-    return BG_X8 && is_k(type) ? type + X8 : 0;
+    return BG_X8 && (is_k(type) || is_legacy(type)) ? type + X8 : 0;
 }
 
 /* Bytes of the repacked form of an [n, k] weight of `type` (0 where block_gemm_packed_type is 0 or k
- * is not a whole number of blocks): ceil(n / 8) groups of k / 256 blocks, a short group zero-padded. */
+ * is not a whole number of blocks): ceil(n / 8) groups of k / values blocks, a short group zero-padded. */
 int64_t block_gemm_packed_bytes(int type, int64_t n, int64_t k) {
-    if (!block_gemm_packed_type(type) || k % QK) return 0;
-    return (n + GROUP - 1) / GROUP * (k / QK) * x8_bytes(type);
+    if (!block_gemm_packed_type(type) || k % x8_values(type)) return 0;
+    return (n + GROUP - 1) / GROUP * (k / x8_values(type)) * x8_bytes(type);
 }
 
 /* Weight integer of channel c, pair p (sub-blocks of `sub` values), group t, byte i (see above). */
@@ -475,10 +489,39 @@ static inline uint8_t x8_weight(const struct unpacked *u, int c, int sub, int p,
     return u->w[c][sub * (2 * p + (i >> 1)) + 2 * t + (i & 1)];
 }
 
+/* A legacy block of 8 channels (see "the legacy types repacked" below). */
+static void pack_legacy_block(int type, const struct unpacked *u, const uint8_t *const *src, int channels,
+                              uint8_t *dst) {
+    int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    for (int c = 0; c < channels; c++) { /* the float16 scales' (and mins') bytes as the file has them */
+        memcpy(dst + 2 * c, src[c], 2);
+        if (with_min) memcpy(dst + 16 + 2 * c, src[c] + 2, 2);
+    }
+    uint8_t *qs = dst + (with_min ? 32 : 16);
+    for (int c = 0; c < GROUP; c++)
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *w = u->w[c];
+            if (type == T_Q8_0) {
+                for (int t = 0; t < 8; t++) qs[32 * t + 4 * c + i] = w[4 * t + i];
+                continue;
+            }
+            for (int v = 0; v < 4; v++) qs[32 * v + 4 * c + i] = (uint8_t)((w[4 * v + i] & 0xF) | (w[16 + 4 * v + i] & 0xF) << 4);
+            if (five) {
+                uint8_t bits = 0;
+                for (int t = 0; t < 8; t++) bits |= (uint8_t)(((w[4 * t + i] >> 4) & 1) << t);
+                qs[128 + 4 * c + i] = bits;
+            }
+        }
+}
+
 static void pack_group_block(int type, const uint8_t *const *src, int channels, uint8_t *dst) {
     struct unpacked u;
     memset(&u, 0, sizeof u);
     for (int c = 0; c < channels; c++) unpack_portable(type, src[c], &u, c);
+    if (is_legacy(type)) {
+        pack_legacy_block(type, &u, src, channels, dst);
+        return;
+    }
     int q4 = type == T_Q4_K || type == T_Q5_K; /* Q5_K: Q4_K's layout, plus its fifth bits after it */
     for (int c = 0; c < channels; c++) /* the float16 scales' bytes as the file has them */
         memcpy(dst + 2 * c, src[c] + (q4 ? 0 : 208), 2), q4 ? (void)memcpy(dst + 16 + 2 * c, src[c] + 2, 2) : (void)0;
@@ -539,7 +582,7 @@ static void pack_task(void *context, int64_t g) {
 int block_gemm_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst, int threads) {
     int64_t values = 1, bytes = 1;
     if (!block_gemm_packed_bytes(type, n, k) || !block_gemm_block(type, &values, &bytes)) return -1;
-    struct pack_job job = {type, src, n, k / QK, k / QK * bytes, bytes, x8_bytes(type), dst};
+    struct pack_job job = {type, src, n, k / values, k / values * bytes, bytes, x8_bytes(type), dst};
     pool_for(threads, (n + GROUP - 1) / GROUP, pack_task, &job);
     return 0;
 }
@@ -669,6 +712,66 @@ static inline __attribute__((always_inline)) void q6x8_rows(const int n, const u
                                y[r]);
     }
 }
+
+/* ---- the legacy types repacked: 8 channels to a block of 32 values, one channel to a lane (AVX2) ------ */
+
+/* Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are repacked at load as the K-quants are: a block of 8 channels holds,
+ * in each 32-bit lane of weight vector t (0..7), values 4t .. 4t + 3 of one channel. vpmaddubsw against a
+ * row's 4 activations 4t .. 4t + 3 broadcast to every lane leaves each channel's partial dot product in its
+ * lane (the activations in their own order, read once for 8 channels), and the float chains advance 8
+ * channels at a time: a one-row decode step reads one sequential stream per group instead of unpacking
+ * one channel's 32-value block at a time (SmolLM2's Q4_1 file: ~3x). The integers are the file layout's:
+ * isum = w . q - offset * sum(q) (pair sums added in int16 only where they cannot overflow: Q4 8 of
+ * 2 * 15 * 127 <= 30480, Q5 4 of 2 * 31 * 127, Q8_0 one of 2 * 128 * 127 as |w| * (q sgn w)), second =
+ * sum(q) for Q4_1 / Q5_1, and each lane's chain is chain_one's.
+ *
+ * A block of 8 channels is 8 file blocks' bytes: d[8] (float16), for Q4_1 / Q5_1 m[8] (float16), then for
+ * Q4 / Q5 qs[4 vectors][8 channels][4 bytes], byte i of a channel's lane in vector v holding value 4v + i
+ * in its low nibble and value 16 + 4v + i in its high one, and for Q5 qh[8][4], bit t of byte i the fifth
+ * bit of value 4t + i; for Q8_0 qs[8 vectors][8][4], value 4t + i as int8. */
+static inline __attribute__((always_inline)) void legacy_x8_rows(const int n, const int type, const uint8_t *group,
+                                                                 int64_t nb, const struct acts *a, __m256 *y) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+    const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
+    const int64_t bytes = x8_bytes(type);
+    for (int r = 0; r < n; r++) y[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = group + b * bytes, *qs = blk + (with_min ? 32 : 16);
+        __m256i isum[X8_ROWS], part[X8_ROWS];
+        for (int r = 0; r < n; r++) isum[r] = part[r] = zero;
+        if (type == T_Q8_0) {
+            for (int t = 0; t < 8; t++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * t)), size = _mm256_sign_epi8(w, w);
+                for (int r = 0; r < n; r++)
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                        size, _mm256_sign_epi8(broadcast4(a[r].q + b * Q32 + 4 * t), w)), ones));
+            }
+        } else {
+            __m256i fifths = five ? _mm256_loadu_si256((const __m256i *)(qs + 128)) : zero;
+            for (int t = 0; t < 8; t++) {
+                __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * (t & 3)));
+                __m256i w = _mm256_and_si256(t < 4 ? packed : _mm256_srli_epi16(packed, 4), low4);
+                if (five) w = _mm256_or_si256(w, q5_fifth(fifths, t));
+                for (int r = 0; r < n; r++)
+                    part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(w, broadcast4(a[r].q + b * Q32 + 4 * t)));
+                if (five && t == 3)
+                    for (int r = 0; r < n; r++) {
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
+                        part[r] = zero;
+                    }
+            }
+            for (int r = 0; r < n; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 dm = with_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
+        for (int r = 0; r < n; r++) {
+            int32_t qsum = a[r].s16[2 * b] + a[r].s16[2 * b + 1];
+            __m256i ints = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(offset * qsum));
+            y[r] = chain_lanes(type, d, dm, a[r].d[b], ints, _mm256_set1_epi32(with_min ? qsum : 0), y[r]);
+        }
+    }
+}
 #endif
 
 /* ---- one call: several weight segments side by side, every row ------------------------------------ */
@@ -693,35 +796,41 @@ struct job {
 #endif
 
 #if BG_X8
+/* n rows (1 .. X8_ROWS) of a repacked group, n a constant in each case so the row loops unroll. */
+#define X8_ROWS_SWITCH(n, CALL)                                                                               \
+    switch (n) {                                                                                              \
+    case 1: CALL(1); break;                                                                                   \
+    case 2: CALL(2); break;                                                                                   \
+    case 3: CALL(3); break;                                                                                   \
+    case 4: CALL(4 < X8_ROWS ? 4 : X8_ROWS); break;                                                           \
+    case 5: CALL(5 < X8_ROWS ? 5 : X8_ROWS); break;                                                           \
+    case 6: CALL(6 < X8_ROWS ? 6 : X8_ROWS); break;                                                           \
+    case 7: CALL(7 < X8_ROWS ? 7 : X8_ROWS); break;                                                           \
+    default: CALL(X8_ROWS);                                                                                   \
+    }
+
 static void x8_rows(int type, int n, const uint8_t *group, int64_t nb, const struct x8acts *a, __m256 *y) {
-#define X8_CASE(N)                                                                                            \
+#define K_ROWS(N)                                                                                             \
     (type == T_Q4_K_X8 ? q45x8_rows(N, 0, group, nb, a, y)                                                    \
                        : type == T_Q5_K_X8 ? q45x8_rows(N, 1, group, nb, a, y) : q6x8_rows(N, group, nb, a, y))
-    switch (n) {
-    case 1: X8_CASE(1); break;
-    case 2: X8_CASE(2); break;
-    case 3: X8_CASE(3); break;
-#if X8_ROWS > 4
-    case 4: X8_CASE(4); break;
-#endif
-#if X8_ROWS > 5
-    case 5: X8_CASE(5); break;
-#endif
-#if X8_ROWS > 6
-    case 6: X8_CASE(6); break;
-#endif
-#if X8_ROWS > 7
-    case 7: X8_CASE(7); break;
-#endif
-    default: X8_CASE(X8_ROWS);
-    }
-#undef X8_CASE
+    X8_ROWS_SWITCH(n, K_ROWS)
+#undef K_ROWS
+}
+
+static void legacy_rows(int type, int n, const uint8_t *group, int64_t nb, const struct acts *a, __m256 *y) {
+#define LEGACY_ROWS(N)                                                                                        \
+    (type == T_Q4_0 ? legacy_x8_rows(N, T_Q4_0, group, nb, a, y)                                              \
+     : type == T_Q4_1 ? legacy_x8_rows(N, T_Q4_1, group, nb, a, y)                                            \
+     : type == T_Q5_0 ? legacy_x8_rows(N, T_Q5_0, group, nb, a, y)                                            \
+     : type == T_Q5_1 ? legacy_x8_rows(N, T_Q5_1, group, nb, a, y) : legacy_x8_rows(N, T_Q8_0, group, nb, a, y))
+    X8_ROWS_SWITCH(n, LEGACY_ROWS)
+#undef LEGACY_ROWS
 }
 
 /* Group g of a repacked segment, every row, X8_ROWS at a time (each group's blocks are one stream). */
 static void x8_group(const struct job *job, int seg, int64_t g) {
-    int type = job->types[seg];
-    int64_t nb = job->k / QK, first = g * GROUP, col = job->starts[seg] + first;
+    int type = job->types[seg], base = x8_base(type);
+    int64_t nb = job->k / x8_values(type), first = g * GROUP, col = job->starts[seg] + first;
     int channels = (int)(job->ns[seg] - first < GROUP ? job->ns[seg] - first : GROUP);
     const uint8_t *group = job->data[seg] + g * nb * x8_bytes(type);
     const struct x8acts *a = type == T_Q6_K_X8 ? job->x6 : job->x4; /* Q4_K, Q5_K: sub-blocks of 32 */
@@ -729,7 +838,8 @@ static void x8_group(const struct job *job, int seg, int64_t g) {
         int n = job->m - r0 < X8_ROWS ? (int)(job->m - r0) : X8_ROWS;
         __m256 y[X8_ROWS];
         float lanes[GROUP];
-        x8_rows(type, n, group, nb, a + r0, y);
+        if (is_legacy(base)) legacy_rows(base, n, group, nb, job->a32 + r0, y);
+        else x8_rows(type, n, group, nb, a + r0, y);
         for (int r = 0; r < n; r++) {
             _mm256_storeu_ps(lanes, y[r]);
             float *out = job->out + (r0 + r) * job->ldo + col;
@@ -860,7 +970,11 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
     for (int s = 0; s < nseg; s++) {
         int64_t values = 1, bytes = 1;
         if (is_x8(types[s])) {
-            if (!BG_X8 || k % QK) return -1;
+            if (!BG_X8 || k % x8_values(types[s])) return -1;
+            if (is_legacy(x8_base(types[s]))) {
+                need32 = 1;
+                continue;
+            }
             need256 = 1, need_x4 |= types[s] != T_Q6_K_X8, need_x6 |= types[s] == T_Q6_K_X8;
             continue;
         }

@@ -319,6 +319,53 @@ static void accumulate_range(float *a, const float *weights, int64_t first, cons
 #define CH 2
 #endif
 #if HALVES
+/* shared_halves' loop over CH whole chunks (elements c0 .. c0 + CH * W - 1) of n queries, with n, the
+ * chunk count and the cache's type constants, in a function of its own: with a chunk count known
+ * only at run time GCC kept the 2 x 4 sums on the stack, a store and a reload on every chain's
+ * multiply-add (most of a 512-row prefill chunk's attention at 12K keys). The same fused chains. */
+static inline __attribute__((always_inline)) void shared_chunks(const int n, const int kh, float *acc,
+                                                                const float *const *weights, const void *values,
+                                                                int64_t from, int64_t to, int64_t d, int64_t c0) {
+    /* named registers, not arrays: GCC kept arrays of these sums in memory as well, a store each */
+    float *a = acc + c0, *b = acc + d + c0;
+    const float *wa = weights[0], *wb = n > 1 ? weights[1] : weights[0];
+    __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8), a2 = _mm256_loadu_ps(a + 16), a3 = _mm256_loadu_ps(a + 24);
+    __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+    if (n > 1) b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), b2 = _mm256_loadu_ps(b + 16), b3 = _mm256_loadu_ps(b + 24);
+    for (int64_t j0 = from; j0 <= to; j0 += W) {
+        fetch_ahead(values, kh, j0 + PREFETCH_BLOCKS * W, to, d);
+        int64_t j1 = j0 + W - 1 < to ? j0 + W - 1 : to;
+        for (int64_t j = j0; j <= j1; j++) {
+            int64_t at = j * d + c0;
+            __m256 x0 = eight_at(values, kh, at), x1 = eight_at(values, kh, at + 8);
+            __m256 x2 = eight_at(values, kh, at + 16), x3 = eight_at(values, kh, at + 24);
+            __m256 weight = _mm256_broadcast_ss(wa + (j - from));
+            a0 = _mm256_fmadd_ps(weight, x0, a0), a1 = _mm256_fmadd_ps(weight, x1, a1);
+            a2 = _mm256_fmadd_ps(weight, x2, a2), a3 = _mm256_fmadd_ps(weight, x3, a3);
+            if (n > 1) {
+                weight = _mm256_broadcast_ss(wb + (j - from));
+                b0 = _mm256_fmadd_ps(weight, x0, b0), b1 = _mm256_fmadd_ps(weight, x1, b1);
+                b2 = _mm256_fmadd_ps(weight, x2, b2), b3 = _mm256_fmadd_ps(weight, x3, b3);
+            }
+        }
+    }
+    _mm256_storeu_ps(a, a0), _mm256_storeu_ps(a + 8, a1), _mm256_storeu_ps(a + 16, a2), _mm256_storeu_ps(a + 24, a3);
+    if (n > 1)
+        _mm256_storeu_ps(b, b0), _mm256_storeu_ps(b + 8, b1), _mm256_storeu_ps(b + 16, b2), _mm256_storeu_ps(b + 24, b3);
+}
+
+#define SHARED_CHUNKS(N, KH)                                                                                  \
+    static __attribute__((noinline)) void shared_chunks_##N##KH(float *acc, const float *const *weights,       \
+                                                                const void *values, int64_t from, int64_t to, \
+                                                                int64_t d, int64_t c0) {                      \
+        shared_chunks(N, KH, acc, weights, values, from, to, d, c0);                                          \
+    }
+SHARED_CHUNKS(1, 0) SHARED_CHUNKS(1, 1) SHARED_CHUNKS(2, 0) SHARED_CHUNKS(2, 1)
+#undef SHARED_CHUNKS
+typedef void (*chunks_summer)(float *, const float *const *, const void *, int64_t, int64_t, int64_t, int64_t);
+static const chunks_summer sum_chunks[2][2] = {{shared_chunks_10, shared_chunks_11},
+                                               {shared_chunks_20, shared_chunks_21}};
+
 /* accumulate_shared_n's whole chunks with each vector as two AVX registers (`HALVES`): the same
  * fused chains, lane by lane, in the same order. */
 static inline __attribute__((always_inline)) void shared_halves(
@@ -326,6 +373,12 @@ static inline __attribute__((always_inline)) void shared_halves(
     int64_t from, int64_t to, int64_t d, int64_t whole) {
     for (int64_t c0 = 0; c0 < whole; c0 += CH * W) {
         int64_t chunks = (whole - c0) / W < CH ? (whole - c0) / W : CH;
+        if (chunks == CH && SUB == 2 && CH == 2) { /* (shared_chunks names its 2 x 4 sums) */
+            const float *weights[SUB];
+            for (int64_t i = 0; i < n; i++) weights[i] = weights_of[i] + (from - first);
+            sum_chunks[n - 1][half != 0](acc, weights, values, from, to, d, c0);
+            continue;
+        }
         __m256 part[SUB][2 * CH];
         const float *w[SUB];
         for (int64_t i = 0; i < n; i++) {
@@ -560,6 +613,14 @@ static inline __attribute__((always_inline)) void block_scores(const int n, cons
     }
 }
 
+/* Value rows the weighted sums of every query of a task go through before the next ones: 64 rows of
+ * d = 128 are 16 KB (float16), so each tile is read from memory once and then from L1 by all the
+ * task's queries, where one sweep over all the shared keys per sub-group of SUB queries streamed
+ * the whole lane's values (3 MB at 12K keys) from L3 for every pair of queries of a prefill chunk.
+ * Each sum still runs key by key in ascending order (its partial sums wait in `acc` between
+ * tiles, as float32): the tiles change no bit. */
+#define SHARED_KEYS 64
+
 /* Queries r0..r1-1 of a task (see attend_lane_group): their scores over every block of keys the
  * task's rows see (each block read once per sweep of QUERIES of them), softmax, weighted
  * sums and outputs. A query's arithmetic is its own: which queries share a call changes no bit. */
@@ -682,12 +743,14 @@ static inline __attribute__((always_inline)) void attend_queries(
         accumulate_range(acc + i * d, e + i * span, base, values, half, lowest,
                          shared_low - 1 < p ? shared_low - 1 : p, d);
     }
-    if (shared_low <= shared_high)
+    for (int64_t j0 = shared_low; j0 <= shared_high; j0 += SHARED_KEYS) { /* a tile of value rows, from L1 */
+        int64_t j1 = j0 + SHARED_KEYS - 1 < shared_high ? j0 + SHARED_KEYS - 1 : shared_high;
         for (int64_t i0 = 0; i0 < queries; i0 += SUB) {
             int64_t n = queries - i0 < SUB ? queries - i0 : SUB;
             for (int64_t i = 0; i < n; i++) weights_of[i] = e + (i0 + i) * span;
-            accumulate_shared(n, acc + i0 * d, weights_of, base, values, half, shared_low, shared_high, d);
+            accumulate_shared(n, acc + i0 * d, weights_of, base, values, half, j0, j1, d);
         }
+    }
     for (int64_t i = 0; i < queries; i++) {
         int64_t p = start + (r0 + i) / group, lowest = lowest_key(p, window);
         accumulate_range(acc + i * d, e + i * span, base, values, half,

@@ -12,6 +12,7 @@ ended in a tool call, then the request carrying its result, served from the cach
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +23,22 @@ from agentfold.bench.harness import ServerProcess
 from tests.helpers.live_assistants import PINNED, client_env, served_turns
 from tests.integrations.test_assistants_live import binary_or_skip, codex_events
 
-# A cold first turn prefills Claude Code's ~11.9K-token prompt (443 s on the 2-core AMD EPYC, 27 tok/s;
-# the whole test 540 s) and Codex's ~6.5K (the test 235 s): both run in `.ci/run`'s slow suite. Codex
-# on this model needs the reply-opening JSON call held to the declared names (`engine.lazy_calls`) and
-# the `agentfold` profile's MCP server off and developer instructions (`integrations/codex/profile.toml`).
-pytestmark = pytest.mark.slow
-CLIENT_TIMEOUT_S = 2400
+# A cold first turn prefills Claude Code's ~11.9K-token prompt (330 s on the 2-core AMD EPYC, 36 tok/s;
+# the whole test 394 s) and Codex's ~6.5K (the test 175 s). Claude Code drops a stream that carries only
+# pings for 10 min and sends the request again: `integrate` raises its limits, and the test checks that
+# no request was abandoned (the server's `cancelled` count). Codex on this model needs the reply-opening
+# JSON call held to the declared names (`engine.lazy_calls`) and the `agentfold` profile's MCP server off
+# and developer instructions (`integrations/codex/profile.toml`).
+#
+# Opt-in (AGENTFOLD_LIVE_CODER=1), not in `.ci/run`: the 1.5B model finishes these round trips on some
+# prompts and not others, and each CLI's prompt carries the date and the working folder. Both passed in
+# several runs in one session (other temp folders); in the next, same date, binaries and kernels' bits,
+# Claude Code's turn after the Read result was a Write of the file (refused) and Codex's a sentence
+# about exec_command, the number in neither reply (README, "The real CLIs on the real coding model").
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("AGENTFOLD_LIVE_CODER") != "1",
+    reason="the coder model finishes the round trip on some days' prompts only: AGENTFOLD_LIVE_CODER=1 runs it")]
+CLIENT_TIMEOUT_S = 1200
 NUMBER = "48213"
 NOTES = f"Project notes\n\nThe build cache key for this project is {NUMBER}.\nDo not share it outside the team.\n"
 ASK = "Read notes.txt and tell me the build cache key written in it."
@@ -79,6 +90,7 @@ def test_claude_code_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path
         first = json.loads(run_client([claude, "-p", "--output-format", "json", ASK], project, env))
         second = json.loads(run_client([claude, "-p", "--continue", "--output-format", "json", FOLLOW_UP], project,
                                        env))
+        assert server.health()["turns"]["cancelled"] == 0, server.health()  # no request given up on and re-sent
     assert first["is_error"] is False and NUMBER in first["result"], first
     assert second["is_error"] is False and second["session_id"] == first["session_id"], second
     turns = served_turns(server.home)
@@ -96,6 +108,7 @@ def test_codex_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path) -> N
         integrate("codex", home, server.url)
         first = codex_events(run_client([*exec_args, ASK], project, env))
         second = codex_events(run_client([*exec_args, "resume", "--last", FOLLOW_UP], project, env))
+        assert server.health()["turns"]["cancelled"] == 0, server.health()
     assert NUMBER in first["reply"].get("text", ""), first
     assert "turn.completed" in second and second["reply"].get("text"), second
     thread = first["thread.started"]["thread_id"]

@@ -153,6 +153,8 @@ def test_templates_say_what_api_md_says(tmp_path: Path) -> None:
         "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
         "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+        "API_TIMEOUT_MS": "3600000",  # a CPU's first turn can outlast 10 min: no retry, no non-streaming fallback
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",  # pings do not count: 10 min without an event ends the stream
         "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "32768",  # the served context: Claude Code compacts before it fills
     }
     codex_config, codex_profile = (tomlkit.parse(c.new).unwrap() for c in integrate.plan("codex", env))

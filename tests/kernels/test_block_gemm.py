@@ -118,33 +118,38 @@ def test_avx2_and_portable_give_the_same_bits(portable_library, monkeypatch, row
         assert torch.equal(fast, slow)
 
 
-def test_k_quants_run_repacked_from_a_file_map(portable_library, monkeypatch, tmp_path):
-    """With AVX2, the K-quants run repacked 8 channels to a block (the other types in the file's layout);
-    the repack leaves the file's pages to the page cache, and what it multiplies is still the file's
-    blocks: the same bits as the portable build reading them in place, before and after."""
+def test_every_type_runs_repacked_from_a_file_map(portable_library, monkeypatch, tmp_path):
+    """With AVX2, every type runs repacked 8 channels to a block; the repack leaves the file's pages to
+    the page cache, and what it multiplies is still the file's blocks: the same bits as the portable
+    build reading them in place, before and after."""
     lib = block_linear.library()
     if not lib.block_gemm_avx2():
         pytest.skip("this CPU has no AVX2: nothing is repacked")
-    parts = [weight("Q4_K", 21, 512, 1)[0], weight("Q6_K", 3, 512, 2)[0], weight("Q5_K", 9, 512, 3)[0]]
-    path = tmp_path / "blocks.bin"
-    path.write_bytes(b"".join(w.data.tobytes() for w in parts))
-    with path.open("rb") as handle:
-        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    flat, offset, on_file = np.frombuffer(memoryview(mapped), dtype=np.uint8), 0, []
-    for w in parts:
-        on_file.append(BlockWeight(w.type_name, flat[offset : offset + w.data.size], w.n, w.k))
-        offset += w.data.size
-    gemm = BlockLinear(on_file)
-    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7))
-    fast = gemm.linear(x)
-    assert [w.kernel_form(lib)[0] for w in on_file] == [112, 114, 113]  # ggml ids + 100; groups x blocks x bytes:
-    assert [w.kernel_form(lib)[1].nbytes for w in on_file] == [3 * 2 * 1184, 1 * 2 * 1680, 2 * 2 * 1440]
-    monkeypatch.setattr(lib, "block_gemm_packed_type", lambda _type: 0)  # the file's layout on this build too
-    assert torch.equal(fast, BlockLinear([BlockWeight(w.type_name, w.data, w.n, w.k) for w in parts]).linear(x))
-    monkeypatch.undo()
-    monkeypatch.setattr(block_linear, "library", lambda: portable_library)
-    assert torch.equal(fast, gemm.linear(x))  # the portable build reads the released pages back
-    assert torch.equal(fast, BlockLinear(parts).linear(x))
+    k_quants = [weight("Q4_K", 21, 512, 1)[0], weight("Q6_K", 3, 512, 2)[0], weight("Q5_K", 9, 512, 3)[0]]
+    legacy = [weight(kind, 11, 96, i)[0] for i, kind in enumerate(TYPES[:5])]
+    for parts, k, ids, sizes in (
+            (k_quants, 512, [112, 114, 113], [3 * 2 * 1184, 1 * 2 * 1680, 2 * 2 * 1440]),  # groups x blocks x bytes
+            (legacy, 96, [102, 103, 106, 107, 108], [2 * 3 * 8 * size for size in (18, 20, 22, 24, 34)])):
+        path = tmp_path / f"blocks{k}.bin"
+        path.write_bytes(b"".join(w.data.tobytes() for w in parts))
+        with path.open("rb") as handle:
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        flat, offset, on_file = np.frombuffer(memoryview(mapped), dtype=np.uint8), 0, []
+        for w in parts:
+            on_file.append(BlockWeight(w.type_name, flat[offset : offset + w.data.size], w.n, w.k))
+            offset += w.data.size
+        gemm = BlockLinear(on_file)
+        x = torch.randn(7, k, generator=torch.Generator().manual_seed(7))
+        fast = gemm.linear(x)
+        assert [w.kernel_form(lib)[0] for w in on_file] == ids  # ggml ids + 100
+        assert [w.kernel_form(lib)[1].nbytes for w in on_file] == sizes
+        monkeypatch.setattr(lib, "block_gemm_packed_type", lambda _type: 0)  # the file's layout on this build too
+        assert torch.equal(fast, BlockLinear([BlockWeight(w.type_name, w.data, w.n, w.k) for w in parts]).linear(x))
+        monkeypatch.undo()
+        monkeypatch.setattr(block_linear, "library", lambda: portable_library)
+        assert torch.equal(fast, gemm.linear(x))  # the portable build reads the released pages back
+        assert torch.equal(fast, BlockLinear(parts).linear(x))
+        monkeypatch.undo()
 
 
 def test_shapes_it_cannot_run_are_refused():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -12,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agentfold.http.app import build_app
 from agentfold.serve.scheduler import Runtime
 from agentfold.serve.service import Service
-from tests.helpers.api_helpers import MODEL_ID, ServerThread
+from tests.helpers.api_helpers import MODEL_ID, ServerThread, wait_idle
 
 SOURCE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(40))
 TURN1 = [{"role": "user", "content": f"Here is a module:\n```python\n{SOURCE}```\nWhat does f3 return?"}]
@@ -93,6 +94,39 @@ def test_turn_after_a_forced_tool_call_reuses_the_cache(stack, smollm2_engine, t
         fresh_server.stop()
         fresh_service.close()
     assert second.model_extra["agentfold"]["token_sha"] == reference.model_extra["agentfold"]["token_sha"]
+
+
+def test_a_prefill_whose_client_left_is_kept_for_its_retry(stack, smollm2_engine, tmp_path):
+    """Claude Code gives up on a request after API_TIMEOUT_MS and sends it again: on a slow machine its
+    first turn's prefill started over on every retry. The chunks a cancelled turn prefilled are kept
+    (a snapshot at the plan boundary it reached), the retry resumes there, and still equals a fresh server."""
+    service, client, server = stack
+    runtime = service.runtime
+    source = "\n".join(f"def g{i}(x):\n    return x * {i} - {i * 3}\n" for i in range(150))
+    messages = [{"role": "user", "content": f"```python\n{source}```\nWhich function returns x * 7 - 21?"}]
+    prompt_tokens = len(service.sessions.render(messages)[0])
+    assert prompt_tokens > 2500  # several chunks of the plan: the client leaves after the first
+    cancelled = runtime.counters["cancelled"]
+    body = {"model": "smollm2", "max_tokens": 8, "stream": True, "messages": messages}
+    with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body,
+                                                        headers={"X-Session-Id": "s-gone"}):
+        deadline = time.monotonic() + 120
+        while not any(t.session is not None and t.session.cache.length >= 512 for t in runtime.running()):
+            assert time.monotonic() < deadline, "the prefill never reached its first chunk"
+            time.sleep(0.01)
+    assert wait_idle(runtime) and runtime.counters["cancelled"] == cancelled + 1
+    retry = chat(client, messages, session="s-gone")
+    cached = retry.usage.prompt_tokens_details.cached_tokens
+    assert 512 <= cached < prompt_tokens - 512 and cached % 512 == 0, cached  # a chunk boundary, short of the end
+
+    fresh_service, fresh_server = serve(smollm2_engine, tmp_path / "fresh")
+    try:
+        reference = chat(openai.OpenAI(base_url=fresh_server.url + "/v1", api_key="x", max_retries=0, timeout=300),
+                         messages)
+    finally:
+        fresh_server.stop()
+        fresh_service.close()
+    assert retry.model_extra["agentfold"]["token_sha"] == reference.model_extra["agentfold"]["token_sha"]
 
 
 def test_telemetry_rows_match_responses(stack):
