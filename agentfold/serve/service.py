@@ -112,7 +112,8 @@ class Service:
 
     def _after_cancel(self, turn: Turn) -> None:
         """Keep what a cancelled turn prefilled: a client that gives up on a long first turn and sends
-        it again (Claude Code after its API_TIMEOUT_MS) resumes from the last chunk, not from zero."""
+        it again (Claude Code after 10 min of a stream with only pings) resumes from the last chunk,
+        not from zero."""
         prepared, turn.session = turn.session, None
         if prepared is None:
             return
