@@ -28,7 +28,7 @@
  * instructions, the activations read once for 8 channels, one sequential stream per group and
  * X8_ROWS rows at a time; on the coder's linears (2 cores, same bits) 1 row 68 -> 46 ms, 4 rows 135 ->
  * 67, 7 rows 179 -> 102. The legacy types (Q4_0 .. Q8_0) run repacked the same way ("the legacy types
- * repacked" below; SmolLM2's Q4_1 file, one row: 66 -> 22 ms a token). In a build without those
+ * repacked" below; SmolLM2's Q4_1 file, one row: 66-72 -> 23-25 ms a token). In a build without those
  * instructions every type stays in the file's layout, through the portable integer loops: within a group each weight block is
  * unpacked once into small integers (u8, 0..63) and used for every row; one row goes channel by
  * channel instead, each channel's row of blocks read in order with a prefetch PREFETCH_BYTES ahead:
