@@ -28,7 +28,8 @@
  * instructions, the activations read once for 8 channels, one sequential stream per group and
  * X8_ROWS rows at a time; on the coder's linears (2 cores, same bits) 1 row 68 -> 46 ms, 4 rows 135 ->
  * 67, 7 rows 179 -> 102. The legacy types (Q4_0 .. Q8_0) run repacked the same way ("the legacy types
- * repacked" below; SmolLM2's Q4_1 file, one row: 66-72 -> 23-25 ms a token). In a build without those
+ * repacked" below; SmolLM2's Q4_1 file, one row: 66-72 -> 23-25 ms a token). Where the CPU has AVX-512 VNNI
+ * or AVX-VNNI, the same kernels add products with vpdpbusd ("with VNNI" below). In a build without those
  * instructions every type stays in the file's layout, through the portable integer loops: within a group each weight block is
  * unpacked once into small integers (u8, 0..63) and used for every row; one row goes channel by
  * channel instead, each channel's row of blocks read in order with a prefetch PREFETCH_BYTES ahead:
@@ -296,16 +297,21 @@ static void unpack(int type, const uint8_t *first, int64_t row_bytes, int64_t bl
  * second[c] = msum (K-quants' mins) or the block's sum of q (Q4_1 / Q5_1). */
 static inline void channel_ints_portable(int type, const struct unpacked *u, int c, const int8_t *q,
                                          int32_t *isum, int32_t *second) {
-    int signed_w = type == T_Q8_0;
     int32_t total = 0, mins = 0;
     for (int j = 0; j < u->subs; j++) {
         int32_t dot = 0, qsum = 0;
-        for (int i = 0; i < u->sub_len; i++) {
-            int idx = j * u->sub_len + i;
-            int32_t wv = signed_w ? (int8_t)u->w[c][idx] : u->w[c][idx];
-            dot += wv * q[idx];
-            qsum += q[idx];
-        }
+        const uint8_t *w = u->w[c] + j * u->sub_len;
+        const int8_t *x = q + j * u->sub_len;
+        /* Q8_0's weights read through an int8_t pointer, never as (int8_t) casts of the u8 bytes: GCC
+         * 12.2 vectorizes a dot product of cast bytes with AVX-VNNI's vpdpbusd as if they were
+         * unsigned (wrong sums for negative weights; seen with -march=native on a Xeon with AVX-512
+         * VNNI, checked in a stand-alone program). */
+        if (type == T_Q8_0) {
+            const int8_t *signed_w = (const int8_t *)w;
+            for (int i = 0; i < u->sub_len; i++) dot += signed_w[i] * x[i];
+        } else
+            for (int i = 0; i < u->sub_len; i++) dot += w[i] * x[i];
+        for (int i = 0; i < u->sub_len; i++) qsum += x[i];
         dot -= u->offset * qsum;
         total += (is_k(type) ? u->sc[c][j] : 1) * dot;
         if (type == T_Q4_K || type == T_Q5_K) mins += u->mn[c][j] * qsum;
@@ -436,7 +442,18 @@ static inline void chain(int type, const struct unpacked *u, float dx, const int
  * bit v of a byte, the fifth bit of the same byte of group v + 8 * half.
  * Q6_K x8 (1680 bytes = 8 * 210): d[8] (float16); sc[8 pairs][8][2] (int8); ql[8 pairs][4 vectors][8][4]
  * (low 4 bits: groups v and v + 4 in the low and high nibble, groups of sub-blocks of 16 as above);
- * qh[8 pairs][2 vectors][8][4] (the top 2 bits: group 4h + u at bits 2u, 2u + 1 of vector h). */
+ * qh[8 pairs][2 vectors][8][4] (the top 2 bits: group 4h + u at bits 2u, 2u + 1 of vector h).
+ *
+ * With VNNI (AVX-512 VNNI on 256-bit vectors, or AVX-VNNI: a build for a CPU that has it), vpdpbusd adds a
+ * lane's 4 products u8 x s8 into its int32 in one instruction (vpmaddubsw, then an add, without it), but
+ * all 4 must share a scale: the K-quants' groups hold 4 values of one sub-block instead (group t of pair
+ * p: values 4t' + i of sub-block 2p + t / (sub / 4), t' = t mod sub / 4; the same bytes, scales and
+ * mins otherwise, so the low nibbles of a Q4_K pair are sub-block 2p and the high ones 2p + 1), the
+ * activations are read in their own order, and each sub-block's int32 sums are multiplied by its scale
+ * (vpmulld) and added. The legacy types' lanes already hold 4 values of one block. The integers are
+ * the same sums of the same products, so the outputs are the same bits as without VNNI and as the
+ * portable C (a test builds the library without VNNI and compares; the repacked order is the
+ * library's own: each library repacks the weights it multiplies). */
 #define X8 100 /* a repacked type's id: its ggml id + X8 */
 enum { T_Q4_K_X8 = T_Q4_K + X8, T_Q5_K_X8 = T_Q5_K + X8, T_Q6_K_X8 = T_Q6_K + X8 };
 #define Q4X8_BYTES 1184
@@ -450,6 +467,15 @@ enum { T_Q4_K_X8 = T_Q4_K + X8, T_Q5_K_X8 = T_Q5_K + X8, T_Q6_K_X8 = T_Q6_K + X8
 #else
 #define BG_X8 0
 #endif
+/* vpdpbusd (AVX-512 VNNI on 256-bit vectors, or AVX-VNNI): see "with VNNI" below. */
+#if BG_X8 && !defined(BLOCK_GEMM_NO_VNNI) && \
+    ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#define BG_VNNI 1
+#else
+#define BG_VNNI 0
+#endif
+/* 1 where a VNNI row's sums run in two chains (vpdpbusd's latency, with few rows in flight), else 0. */
+#define VNNI_SPLIT(n) (BG_VNNI && (n) <= 3 ? 1 : 0)
 
 static inline int is_legacy(int type) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0;
@@ -484,10 +510,14 @@ int64_t block_gemm_packed_bytes(int type, int64_t n, int64_t k) {
     return (n + GROUP - 1) / GROUP * (k / x8_values(type)) * x8_bytes(type);
 }
 
-/* Weight integer of channel c, pair p (sub-blocks of `sub` values), group t, byte i (see above). */
+/* Weight integer of channel c, pair p (sub-blocks of `sub` values), group t, byte i (see above; with
+ * VNNI, group t of a pair is values 4t' + i of one sub-block, t' = t mod sub / 4: "with VNNI" below). */
 static inline uint8_t x8_weight(const struct unpacked *u, int c, int sub, int p, int t, int i) {
+    if (BG_VNNI) return u->w[c][sub * (2 * p + t / (sub / 4)) + 4 * (t % (sub / 4)) + i];
     return u->w[c][sub * (2 * p + (i >> 1)) + 2 * t + (i & 1)];
 }
+
+int block_gemm_vnni(void) { return BG_VNNI; }
 
 /* A legacy block of 8 channels (see "the legacy types repacked" below). */
 static void pack_legacy_block(int type, const struct unpacked *u, const uint8_t *const *src, int channels,
@@ -598,7 +628,7 @@ struct x8acts {
 
 static void x8_order(const int8_t *q, const int16_t *s16, int64_t k, int sub, int8_t *out, int32_t *pairs) {
     for (int64_t base = 0; base < k; base += 2 * sub) {
-        for (int t = 0; t < sub / 2; t++)
+        for (int t = 0; t < sub / 2 && !BG_VNNI; t++) /* (VNNI reads q in its own order: out unused) */
             for (int i = 0; i < 4; i++) out[base + 4 * t + i] = q[base + sub * (i >> 1) + 2 * t + (i & 1)];
         int16_t sums[2];
         for (int h = 0; h < 2; h++) {
@@ -622,6 +652,26 @@ static inline __m256i q5_fifth(__m256i bits, int v) {
     return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
 }
 
+/* With VNNI: acc + the sums of each lane's 4 products u8 x s8 (vpdpbusd: exact in int32, no saturation
+ * step); without it, acc + vpmaddubsw's pair sums in int16 (the callers keep them below 2^15). */
+static inline __m256i add_products(__m256i acc, __m256i u, __m256i s) {
+#if BG_VNNI && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif BG_VNNI
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
+/* A pair's sub-block scale (int16 pairs per lane, the first sub-block low) for sub-block `half`, as
+ * int32 lanes (VNNI's per-sub-block sums are scaled with vpmulld). */
+static inline __m256i half_scale(__m256i pairs16, int half, int is_signed) {
+    if (half) return is_signed ? _mm256_srai_epi32(pairs16, 16) : _mm256_srli_epi32(pairs16, 16);
+    return is_signed ? _mm256_srai_epi32(_mm256_slli_epi32(pairs16, 16), 16)
+                     : _mm256_and_si256(pairs16, _mm256_set1_epi32(0xFFFF));
+}
+
 /* n (<= X8_ROWS) rows of a repacked Q4_K (Q5_K when `five`) group over its nb blocks: y[r], the 8
  * channels' outputs. Q5_K's pair sums reach 2 * 31 * 127: four of them per int16 before vpmaddwd. */
 static inline __attribute__((always_inline)) void q45x8_rows(const int n, const int five, const uint8_t *group,
@@ -636,24 +686,31 @@ static inline __attribute__((always_inline)) void q45x8_rows(const int n, const 
             const uint8_t *qs = blk + 160 + 256 * p;
             __m256i scales = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * p)));
             for (int half = 0; half < 2; half++) { /* groups 0..7 (low nibbles), then 8..15 */
-                __m256i part[X8_ROWS], fifths = five ? _mm256_loadu_si256((const __m256i *)(blk + Q4X8_BYTES + 64 * p +
-                                                                                            32 * half))
-                                                     : _mm256_setzero_si256();
-                for (int r = 0; r < n; r++) part[r] = _mm256_setzero_si256();
+                __m256i part[2][X8_ROWS], fifths = five ? _mm256_loadu_si256((const __m256i *)(blk + Q4X8_BYTES +
+                                                                                               64 * p + 32 * half))
+                                                        : _mm256_setzero_si256();
+                for (int r = 0; r < n; r++) part[0][r] = part[1][r] = _mm256_setzero_si256();
                 for (int v = 0; v < 8; v++) {
                     __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * v));
                     __m256i w = _mm256_and_si256(half ? _mm256_srli_epi16(packed, 4) : packed, low4);
                     if (five) w = _mm256_or_si256(w, q5_fifth(fifths, v));
-                    for (int r = 0; r < n; r++)
-                        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(
-                                                       w, broadcast4(a[r].q + b * QK + 64 * p + 32 * half + 4 * v)));
-                    if (five && v == 3)
+                    for (int r = 0; r < n; r++) /* (VNNI: a row's sums in two chains when few rows run) */
+                        part[v & VNNI_SPLIT(n)][r] = add_products(part[v & VNNI_SPLIT(n)][r], w,
+                                                                  broadcast4(a[r].q + b * QK + 64 * p + 32 * half + 4 * v));
+                    if (!BG_VNNI && five && v == 3)
                         for (int r = 0; r < n; r++) {
-                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], scales));
-                            part[r] = _mm256_setzero_si256();
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[0][r], scales));
+                            part[0][r] = _mm256_setzero_si256();
                         }
                 }
-                for (int r = 0; r < n; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], scales));
+                if (BG_VNNI) { /* one sub-block's sums: times its scale */
+                    __m256i scale = half_scale(scales, half, 0);
+                    for (int r = 0; r < n; r++)
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(
+                                                       VNNI_SPLIT(n) ? _mm256_add_epi32(part[0][r], part[1][r]) : part[0][r], scale));
+                } else {
+                    for (int r = 0; r < n; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[0][r], scales));
+                }
             }
             __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 96 + 16 * p)));
             for (int r = 0; r < n; r++)
@@ -694,6 +751,16 @@ static inline __attribute__((always_inline)) void q6x8_rows(const int n, const u
                     __m256i packed = _mm256_loadu_si256((const __m256i *)(ql + 32 * t));
                     w[t] = _mm256_or_si256(_mm256_and_si256(half ? _mm256_srli_epi16(packed, 4) : packed, low4),
                                            q6_top(top, t));
+                }
+                if (BG_VNNI) { /* sub-block 2p + half: its sums times its scale */
+                    __m256i scale = half_scale(scales, half, 1);
+                    for (int r = 0; r < n; r++) {
+                        const int8_t *x = q[r] + 16 * half;
+                        __m256i even = add_products(zero, w[0], broadcast4(x)), odd = add_products(zero, w[1], broadcast4(x + 4));
+                        even = add_products(even, w[2], broadcast4(x + 8)), odd = add_products(odd, w[3], broadcast4(x + 12));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(even, odd), scale));
+                    }
+                    continue;
                 }
                 for (int r = 0; r < n; r++) /* two groups' pair sums per int16 (<= 32004) */
                     for (int t = 0; t < 4; t += 2) {
@@ -743,9 +810,11 @@ static inline __attribute__((always_inline)) void legacy_x8_rows(const int n, co
         if (type == T_Q8_0) {
             for (int t = 0; t < 8; t++) {
                 __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * t)), size = _mm256_sign_epi8(w, w);
-                for (int r = 0; r < n; r++)
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
-                        size, _mm256_sign_epi8(broadcast4(a[r].q + b * Q32 + 4 * t), w)), ones));
+                for (int r = 0; r < n; r++) {
+                    __m256i x = _mm256_sign_epi8(broadcast4(a[r].q + b * Q32 + 4 * t), w);
+                    isum[r] = BG_VNNI ? add_products(isum[r], size, x)
+                                      : _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(size, x), ones));
+                }
             }
         } else {
             __m256i fifths = five ? _mm256_loadu_si256((const __m256i *)(qs + 128)) : zero;
@@ -753,15 +822,15 @@ static inline __attribute__((always_inline)) void legacy_x8_rows(const int n, co
                 __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * (t & 3)));
                 __m256i w = _mm256_and_si256(t < 4 ? packed : _mm256_srli_epi16(packed, 4), low4);
                 if (five) w = _mm256_or_si256(w, q5_fifth(fifths, t));
-                for (int r = 0; r < n; r++)
-                    part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(w, broadcast4(a[r].q + b * Q32 + 4 * t)));
-                if (five && t == 3)
+                for (int r = 0; r < n; r++) /* (VNNI: int32 sums) */
+                    part[r] = add_products(part[r], w, broadcast4(a[r].q + b * Q32 + 4 * t));
+                if (!BG_VNNI && five && t == 3)
                     for (int r = 0; r < n; r++) {
                         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
                         part[r] = zero;
                     }
             }
-            for (int r = 0; r < n; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
+            for (int r = 0; r < n; r++) isum[r] = BG_VNNI ? part[r] : _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256 dm = with_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
@@ -841,8 +910,12 @@ static void x8_group(const struct job *job, int seg, int64_t g) {
         if (is_legacy(base)) legacy_rows(base, n, group, nb, job->a32 + r0, y);
         else x8_rows(type, n, group, nb, a + r0, y);
         for (int r = 0; r < n; r++) {
-            _mm256_storeu_ps(lanes, y[r]);
             float *out = job->out + (r0 + r) * job->ldo + col;
+            if (channels == GROUP) { /* (a whole group: one store, not a copy through `lanes`) */
+                _mm256_storeu_ps(out, job->bias ? _mm256_add_ps(y[r], _mm256_loadu_ps(job->bias + col)) : y[r]);
+                continue;
+            }
+            _mm256_storeu_ps(lanes, y[r]);
             for (int c = 0; c < channels; c++) out[c] = job->bias ? lanes[c] + job->bias[col + c] : lanes[c];
         }
     }
@@ -1004,8 +1077,8 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
         a[r] = (struct acts){q + r * k, d + r * (k / 32), s16 + r * (k / 16)};
         a[m + r] = (struct acts){q + m * k + r * k, d + m * (k / 32) + r * (k / 256), s16 + m * (k / 16) + r * (k / 16)};
         if (need_x8) {
-            xa[r] = (struct x8acts){xq + r * k, xp + r * (k / 64), a[m + r].d};
-            xa[m + r] = (struct x8acts){xq + (m + r) * k, xp + m * (k / 64) + r * (k / 32), a[m + r].d};
+            xa[r] = (struct x8acts){BG_VNNI ? a[m + r].q : xq + r * k, xp + r * (k / 64), a[m + r].d};
+            xa[m + r] = (struct x8acts){BG_VNNI ? a[m + r].q : xq + (m + r) * k, xp + m * (k / 64) + r * (k / 32), a[m + r].d};
         }
     }
     struct quantize_job quantize = {x, k, ldx, m, need32, need256, need_x4, need_x6, a, xa};

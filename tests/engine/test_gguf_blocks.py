@@ -13,6 +13,7 @@ from agentfold.engine.decode import GenerationConfig
 from agentfold.engine.factory import build_engine
 from agentfold.engine.torch.backend import TorchBackend
 from agentfold.engine.torch.loader import ModelLoadError, load_torch_model
+from agentfold.engine.torch.models.llama import MLP_ROWS
 from agentfold.kernels import block_linear
 from tests.helpers.gguf_files import tiny_tokenizer_fields, write_tiny_model
 
@@ -63,6 +64,21 @@ def test_a_pass_rows_equal_one_row_passes(tmp_path: Path, kind: str):
     rows = np.concatenate([backend.forward([token], cache) for token in PROMPT[9:]])
     assert whole.shape == (len(PROMPT), rows.shape[1])
     assert np.array_equal(whole[9:], rows)
+
+
+def test_a_long_pass_split_for_its_mlp_keeps_every_bit(tmp_path: Path):
+    """A pass of more rows than `MLP_ROWS` runs its MLP in slices of rows (a prefill chunk's, to keep
+    its intermediates in reused memory): its rows still equal one-row passes, bit for bit."""
+    path = tiny(tmp_path, "qwen2", "Q4_K")
+    backend = TorchBackend(load_torch_model(path, device="cpu", quant="blocks"), quant="blocks")
+    tokens = [int(t) for t in np.random.default_rng(3).integers(3, 250, size=2 * MLP_ROWS + 13)]
+    whole = backend.forward(tokens, backend.new_cache())  # its MLP in 3 slices
+    cache = backend.new_cache()
+    backend.forward(tokens[: MLP_ROWS + 9], cache)  # 2 slices, cut elsewhere
+    middle = backend.forward(tokens[MLP_ROWS + 9 : -6], cache)
+    rows = np.concatenate([backend.forward([token], cache) for token in tokens[-6:]])
+    assert np.array_equal(whole[MLP_ROWS + 9 : -6], middle)
+    assert np.array_equal(whole[-6:], rows)
 
 
 def test_drafted_equals_serial_with_drafts_verified(tmp_path: Path):

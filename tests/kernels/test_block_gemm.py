@@ -105,17 +105,35 @@ def portable_library(tmp_path_factory):
     return lib
 
 
+def assert_same_bits(other, monkeypatch, rows: int) -> None:
+    """This machine's library and `other` (another build of the same sources) give the same bits on
+    every type, odd channel counts, `rows` rows."""
+    for gemm, k in (mixed()[0], 768), (BlockLinear([weight(t, 10, 64, i)[0] for i, t in enumerate(TYPES[:5])]), 64):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        fast = gemm.linear(x)
+        monkeypatch.setattr(block_linear, "library", lambda: other)
+        slow = gemm.linear(x)
+        monkeypatch.undo()
+        assert torch.equal(fast, slow), (rows, [w.type_name for w in gemm.weights])
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_avx2_and_portable_give_the_same_bits(portable_library, monkeypatch, rows: int):
     if not block_linear.library().block_gemm_avx2():
         pytest.skip("this CPU has no AVX2: only the portable path runs here")
-    for gemm, k in (mixed()[0], 768), (BlockLinear([weight(t, 10, 64, i)[0] for i, t in enumerate(TYPES[:5])]), 64):
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        fast = gemm.linear(x)
-        monkeypatch.setattr(block_linear, "library", lambda: portable_library)
-        slow = gemm.linear(x)
-        monkeypatch.undo()
-        assert torch.equal(fast, slow)
+    assert_same_bits(portable_library, monkeypatch, rows)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])
+def test_vnni_and_avx2_give_the_same_bits(tmp_path_factory, monkeypatch, rows: int):
+    """Where the CPU has VNNI, the library's vpdpbusd kernels (their own repacked order) against a build
+    of the same sources without them: the same bits at 1..3 rows (two chains a row), more, and past
+    X8_ROWS."""
+    if not block_linear.library().block_gemm_vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI / AVX-VNNI: the AVX2 kernels run here")
+    avx2 = native.build_variant(["-DBLOCK_GEMM_NO_VNNI"], tmp_path_factory.mktemp("no-vnni"), block_linear.SIGNATURES)
+    assert avx2 is not None and avx2.block_gemm_avx2() and not avx2.block_gemm_vnni()
+    assert_same_bits(avx2, monkeypatch, rows)
 
 
 def test_every_type_runs_repacked_from_a_file_map(portable_library, monkeypatch, tmp_path):

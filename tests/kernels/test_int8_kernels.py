@@ -195,12 +195,16 @@ def test_block_kernel_gives_the_halves_integers(threads):
             int8_linear.pack(weight)
             x = torch.from_numpy(np.concatenate([activations(k, index + 40), activations(k, index + 41)]))
             bias = torch.randn(n, generator=torch.Generator().manual_seed(9))
+            compared = 0
             for m in (4, 5, 7, 13, 17, 32):
-                assert int8_gemm.block_kernel_runs(m, k)
+                if not int8_gemm.block_kernel_runs(m, k):  # AMX tiles take these rows (where the CPU has them)
+                    continue
+                compared += 1
                 blocks = int8_linear.linear(x[:m], weight, bias)
                 sums, weight.packed.chunk_sums = weight.packed.chunk_sums, None  # the halves' pass
                 halves = int8_linear.linear(x[:m], weight, bias)
                 weight.packed.chunk_sums = sums
                 assert torch.equal(blocks, halves), (k, n, m, threads)
+            assert compared, (k, n)
     finally:
         torch.set_num_threads(before)
