@@ -1066,10 +1066,11 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
     }
     /* the repacked types' order of the same q (and their pair sums) */
     int need_x8 = need_x4 || need_x6;
-    int8_t *xq = need_x8 ? malloc((size_t)(2 * m * k)) : NULL;
+    int reorder = need_x8 && !BG_VNNI; /* (VNNI reads q in its own order: no reordered copy) */
+    int8_t *xq = reorder ? malloc((size_t)(2 * m * k)) : NULL;
     int32_t *xp = need_x8 ? malloc(sizeof(int32_t) * (size_t)(m * (k / 64 + k / 32))) : NULL;
     struct x8acts *xa = need_x8 ? malloc(sizeof(struct x8acts) * (size_t)(2 * m)) : NULL;
-    if (need_x8 && (!xq || !xp || !xa)) {
+    if (need_x8 && ((reorder && !xq) || !xp || !xa)) {
         free(q), free(d), free(s16), free(a), free(starts), free(xq), free(xp), free(xa);
         return -2;
     }
@@ -1077,8 +1078,9 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
         a[r] = (struct acts){q + r * k, d + r * (k / 32), s16 + r * (k / 16)};
         a[m + r] = (struct acts){q + m * k + r * k, d + m * (k / 32) + r * (k / 256), s16 + m * (k / 16) + r * (k / 16)};
         if (need_x8) {
-            xa[r] = (struct x8acts){BG_VNNI ? a[m + r].q : xq + r * k, xp + r * (k / 64), a[m + r].d};
-            xa[m + r] = (struct x8acts){BG_VNNI ? a[m + r].q : xq + (m + r) * k, xp + m * (k / 64) + r * (k / 32), a[m + r].d};
+            xa[r] = (struct x8acts){reorder ? xq + r * k : a[m + r].q, xp + r * (k / 64), a[m + r].d};
+            xa[m + r] = (struct x8acts){reorder ? xq + (m + r) * k : a[m + r].q, xp + m * (k / 64) + r * (k / 32),
+                                        a[m + r].d};
         }
     }
     struct quantize_job quantize = {x, k, ldx, m, need32, need256, need_x4, need_x6, a, xa};

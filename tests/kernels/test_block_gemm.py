@@ -117,6 +117,17 @@ def assert_same_bits(other, monkeypatch, rows: int) -> None:
         assert torch.equal(fast, slow), (rows, [w.type_name for w in gemm.weights])
 
 
+@pytest.fixture(scope="module")
+def no_vnni_library(tmp_path_factory):
+    """The same sources built without the VNNI kernels (None where the CPU has no VNNI: nothing to
+    compare), built once for the module."""
+    if not block_linear.library().block_gemm_vnni():
+        return None
+    lib = native.build_variant(["-DBLOCK_GEMM_NO_VNNI"], tmp_path_factory.mktemp("no-vnni"), block_linear.SIGNATURES)
+    assert lib is not None and lib.block_gemm_avx2() and not lib.block_gemm_vnni()
+    return lib
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_avx2_and_portable_give_the_same_bits(portable_library, monkeypatch, rows: int):
     if not block_linear.library().block_gemm_avx2():
@@ -125,15 +136,13 @@ def test_avx2_and_portable_give_the_same_bits(portable_library, monkeypatch, row
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])
-def test_vnni_and_avx2_give_the_same_bits(tmp_path_factory, monkeypatch, rows: int):
+def test_vnni_and_avx2_give_the_same_bits(no_vnni_library, monkeypatch, rows: int):
     """Where the CPU has VNNI, the library's vpdpbusd kernels (their own repacked order) against a build
     of the same sources without them: the same bits at 1..3 rows (two chains a row), more, and past
     X8_ROWS."""
-    if not block_linear.library().block_gemm_vnni():
+    if no_vnni_library is None:
         pytest.skip("this CPU has no AVX-512 VNNI / AVX-VNNI: the AVX2 kernels run here")
-    avx2 = native.build_variant(["-DBLOCK_GEMM_NO_VNNI"], tmp_path_factory.mktemp("no-vnni"), block_linear.SIGNATURES)
-    assert avx2 is not None and avx2.block_gemm_avx2() and not avx2.block_gemm_vnni()
-    assert_same_bits(avx2, monkeypatch, rows)
+    assert_same_bits(no_vnni_library, monkeypatch, rows)
 
 
 def test_every_type_runs_repacked_from_a_file_map(portable_library, monkeypatch, tmp_path):
