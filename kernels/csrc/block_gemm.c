@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "layer_kernels.h"
 #include "pool.h"
 
 #if defined(BLOCK_GEMM_FORCE_PORTABLE) || !defined(__AVX2__)

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "layer_kernels.h"
 #include "pool.h"
 #include "vector16.h"
 

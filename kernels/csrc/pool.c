@@ -12,7 +12,10 @@
  * between kernels: beside one busy process on 2 cores, serial decode of the coder model kept 31% of
  * its idle rate. So a job whose workers finish long after the caller ran out (STRAGGLE_NS, and
  * longer than the caller's own part) sends the next jobs to the caller alone for ALONE_NS: 66% kept
- * (bench decode --busy). The caller also yields while it waits that long.
+ * (bench decode --busy). The caller also yields while it waits that long. One straggler is no
+ * evidence: on an idle 2-vCPU VM the hypervisor takes a worker's vCPU away for milliseconds about
+ * once a second, and going alone on each sent ~18% of a SmolLM2 decode's passes to one core (those
+ * passes ~15 ms instead of ~10). So it takes two stragglers within STRAGGLE_WINDOW_NS.
  */
 #include "pool.h"
 
@@ -31,7 +34,10 @@
  * waiting for a core. Jobs then run on the caller alone for ALONE_NS (the workers go to sleep and
  * stop taking CPU from the caller and the other process), and then try the workers again. Which
  * thread runs a task never changes a bit, so neither does this. */
+#ifndef STRAGGLE_NS
 #define STRAGGLE_NS 2000000
+#endif
+#define STRAGGLE_WINDOW_NS 100000000
 #define ALONE_NS 250000000
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -59,6 +65,7 @@ static struct {
     _Atomic int finished;  /* workers done with the current job */
     _Atomic uint64_t job;  /* generation << 32 | how many take part (the caller and workers 1..that-1) */
     _Atomic int64_t alone_until; /* now_ns() before which jobs run on the caller alone (a busy machine) */
+    int64_t straggled;           /* when the last job's workers straggled (under `calls`) */
     struct slot slots[MAX_WORKERS + 1];
 } pool = {.calls = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER};
 
@@ -180,8 +187,12 @@ void pool_for(int threads, int64_t count, pool_task task, void *context) {
         relax();
     }
     int64_t waited = now_ns() - ran_out;
-    if (waited > STRAGGLE_NS && waited > ran_out - began)
-        atomic_store_explicit(&pool.alone_until, now_ns() + ALONE_NS, memory_order_relaxed);
+    if (waited > STRAGGLE_NS && waited > ran_out - began) {
+        int64_t now = now_ns();
+        if (pool.straggled && now - pool.straggled < STRAGGLE_WINDOW_NS)
+            atomic_store_explicit(&pool.alone_until, now + ALONE_NS, memory_order_relaxed);
+        pool.straggled = now;
+    }
     pthread_mutex_unlock(&pool.calls);
 }
 

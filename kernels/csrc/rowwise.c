@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "layer_kernels.h"
 #include "pool.h"
 #include "vector16.h"
 

@@ -74,9 +74,10 @@ POOL = {"pool_for": [ctypes.c_int, ctypes.c_int64, TASK, ctypes.c_void_p], "pool
 
 
 def test_a_worker_left_without_a_core_sends_jobs_to_the_caller_alone():
-    """A worker that finishes long after the caller ran out of tasks (as when another process holds its
-    core) puts the pool in its alone mode: the next jobs run on the calling thread only (the workers
-    sleep instead of taking CPU), and a while later the workers take part again."""
+    """Workers that finish long after the caller ran out of tasks (as when another process holds their
+    core) twice in a row put the pool in its alone mode: the next jobs run on the calling thread only
+    (the workers sleep instead of taking CPU), and a while later the workers take part again. Once is
+    not enough: an idle VM's host takes a vCPU away for a few ms now and then."""
     lib = native.load(POOL)
     time.sleep(0.3)  # any alone mode an earlier test left (callers on 4 threads over 2 cores) has ended
     assert lib.pool_alone() == 0
@@ -99,7 +100,9 @@ def test_a_worker_left_without_a_core_sends_jobs_to_the_caller_alone():
         lib.pool_for(2, count, TASK(task), None)
 
     job(2, late_worker=True)
-    assert set(ran_on) - {caller} and lib.pool_alone() == 1
+    assert set(ran_on) - {caller} and lib.pool_alone() == 0  # one straggler: no evidence yet
+    job(2, late_worker=True)
+    assert lib.pool_alone() == 1
     ran_on.clear()
     lib.pool_for(2, 8, TASK(lambda _c, _i: ran_on.append(threading.get_ident())), None)
     assert ran_on == [caller] * 8  # alone: every task on the caller

@@ -21,7 +21,7 @@ from torch import nn
 
 from agentfold.engine.gguf_model import GGUFModel
 from agentfold.engine.torch.models import build as build_model
-from agentfold.engine.torch.models.llama import MLP, Attention, Fused, Linear
+from agentfold.engine.torch.models.llama import MLP, Attention, Fused, Linear, Transformer, attach_layer_kernels
 from agentfold.kernels import block_linear
 from agentfold.kernels.block_linear import BlockLinear, BlockWeight
 from agentfold.kernels.int8_linear import quantize_weight
@@ -107,6 +107,8 @@ def load(model: GGUFModel, dtype: torch.dtype) -> nn.Module:
         linear.weight = nn.Parameter(torch.empty(0, weight.k), requires_grad=False)
         total += weight.nbytes()
     _fuse(net)
+    if isinstance(net, Transformer):
+        attach_layer_kernels(net)
     embedding = BlockEmbedding(model, model.names[EMBEDDING])
     net.model.embed_tokens = embedding
     if net.lm_head is not None:

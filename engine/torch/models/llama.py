@@ -25,7 +25,9 @@ from torch import nn
 
 from agentfold.engine.torch.models import ops
 from agentfold.engine.torch.models.cache import LayerCache
+from agentfold.kernels import decoder_layer
 from agentfold.kernels.block_linear import BlockLinear
+from agentfold.kernels.decoder_layer import LayerKernel
 from agentfold.kernels.int8_linear import Int8Weight
 
 
@@ -182,11 +184,16 @@ class Rope(nn.Module):
             sines.append(angles.sin().to(torch.float32).to(self.sin.device))
         self.cos, self.sin = torch.cat(blocks), torch.cat(sines)
 
+    def tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos / sin tables [length, head_dim] (float32), grown to hold positions below `end`."""
+        if end > self.cos.shape[0]:
+            self._grow(end)
+        return self.cos, self.sin
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int) -> torch.Tensor:
         """Rotate x [m, heads, head_dim], row i for absolute position positions[i] (all below
         `end`), in float32: per element the same arithmetic whichever rows share the call."""
-        if end > self.cos.shape[0]:
-            self._grow(end)
+        self.tables(end)
         if x.dtype == torch.float32:
             rotated = ops.rope(x, positions, self.cos, self.sin)  # CPU: one C call, the same bits
             if rotated is not None:
@@ -288,8 +295,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp
+        self.kernel: LayerKernel | None = None  # the whole layer in one C call (`attach_layer_kernels`)
 
     def forward(self, x: torch.Tensor, lanes: LayerLanes, rope: Rope) -> torch.Tensor:
+        if self.kernel is not None and lanes.table is not None and x.shape[0] <= MLP_ROWS and \
+                x.dtype == torch.float32 and not x.is_cuda:
+            cos, sin = rope.tables(lanes.end)
+            return self.kernel.run(x.contiguous(), lanes.positions, cos, sin, lanes.table, lanes.slot)
         h = x + self.self_attn(self.input_layernorm(x), lanes, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -401,3 +413,33 @@ class Transformer(nn.Module):
         if self.head_quantized is not None:
             head = self.head_quantized
         return ops.linear(self.model.norm(h), head).float()
+
+
+def attach_layer_kernels(model: Transformer) -> int:
+    """Give each plain Llama / Qwen2 layer whose linears all run on GGUF blocks its `LayerKernel`:
+    passes of up to MLP_ROWS rows (decode, verify) then run the layer in one C call, the same
+    kernels with the same arguments as the modules (the same bits, fewer ~10 us hops between them).
+    Other layers (Gemma's, Qwen3's q / k norms, int8 or float weights) keep the modules. Returns how
+    many layers got one."""
+    if decoder_layer.library() is None:
+        return 0
+    attached = 0
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        plain = (type(layer) is DecoderLayer and type(attention) is Attention and type(mlp) is MLP
+                 and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+                 and attention.q_norm is None and mlp.gated is ops.silu_mul
+                 and model.rope_for(layer) is model.rope and type(model.rope) is Rope)
+        if not plain or attention.qkv is None or mlp.gate_up is None or mlp.gate_up.bias is not None or \
+                mlp.down_proj.bias is not None:
+            continue
+        linears = (attention.qkv.weight, attention.o_proj.quantized, mlp.gate_up.weight, mlp.down_proj.quantized)
+        if not all(isinstance(linear, BlockLinear) for linear in linears):
+            continue
+        norm = layer.input_layernorm
+        layer.kernel = LayerKernel(norm.weight, layer.post_attention_layernorm.weight, norm.eps, attention.heads,
+                                   attention.kv_heads, attention.head_dim, attention.scale, attention.window,
+                                   linears[0], attention.qkv.bias, linears[1], attention.o_proj.bias, linears[2],
+                                   linears[3])
+        attached += 1
+    return attached
