@@ -302,8 +302,26 @@ def _summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _prefill_row(rig: Rig, tokens: int, machine: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+    """A `tokens`-long prompt of stdlib source prefilled by the engine (its own prefill clock, as a
+    first turn's TTFT is made) and by llama.cpp on the same file and ids, one after the other."""
+    from agentfold.bench.prefill import WARM_TOKENS, engine_rate, prompt_ids
+
+    ids = prompt_ids(rig.tokenizer, tokens, 0, f"decode-prefill:{tokens}")
+    engine_rate(rig.engine, prompt_ids(rig.tokenizer, WARM_TOKENS, 0, "decode-prefill:warm"))
+    say(f"bench: prefill: {tokens} prompt tokens")
+    ours = engine_rate(rig.engine, ids)
+    threads = int(machine["threads"]["backend"])
+    theirs = bench_llamacpp.prefill_rate(rig.path, ids, threads)
+    row = {"prompt_tokens": tokens, "source": "stdlib source text (bench.prefill.prompt_ids), no chat template",
+           "agentfold": ours, "llama_cpp": theirs, "agentfold_vs_llama_cpp": ratio(ours["tps"], theirs.get("tps"))}
+    say(f"bench: prefill: {tokens} tokens {ours['tps']} tok/s, llama.cpp {theirs.get('tps')} tok/s"
+        + (f" ({row['agentfold_vs_llama_cpp']}x)" if row["agentfold_vs_llama_cpp"] else f" ({theirs.get('skipped')})"))
+    return row
+
+
 def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bool, machine: dict[str, Any],
-            say: Callable[[str], None], busy: bool = False) -> dict[str, Any]:
+            say: Callable[[str], None], busy: bool = False, prefill: int = 0) -> dict[str, Any]:
     """Every step from the roofline to the last workload, and the record they make (quality not yet in)."""
     roofline = Roofline.measure(rig, quick, say)
     loads = [(w, encode_chat(rig.tokenizer, w["messages"])) for w in workloads(quick)]
@@ -317,6 +335,7 @@ def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bo
         busy_machine = {"workload": name, **busy_row(rig.engine, llama, prompt, max_tokens, rig.eos, rows[name], say)}
     if llama is not None:
         llama.close()
+    prefill_row = _prefill_row(rig, prefill, machine, say) if prefill else None
     result: dict[str, Any] = {
         **run_header(SCHEMA, timestamp, quick, machine),
         "max_tokens": max_tokens,
@@ -332,6 +351,8 @@ def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bo
     }
     if busy_machine is not None:
         result["busy_machine"] = busy_machine
+    if prefill_row is not None:
+        result["prefill"] = prefill_row
     result["summary"] = _summary(rows)
     return result
 
@@ -359,14 +380,15 @@ def _append_quality(result: dict[str, Any], path: Path, quick: bool, choice: Cho
 def bench_decode(model: str | None, out: str | Path, draft_model: str | None = None, max_tokens: int = 128,
                  dtype: str | None = "float32", quick: bool = False, progress: Callable[[str], None] = print,
                  backend: str = "auto", quant: str = "auto", device: str = "auto", verdicts: Path | None = None,
-                 quality: bool = True, busy: bool = False) -> dict:
+                 quality: bool = True, busy: bool = False, prefill: int = 0) -> dict:
     """Measure serial, drafted, mlx-lm and llama.cpp greedy decode on code-edit, fresh-code and prose; write JSON.
 
     `backend` / `quant` / `device` go to `build_engine`; `backend="auto"` remembers its verdict in
     `verdicts` (default: `models.verdict_file()`, the file `agentfold generate` reads too, so the
     bench measures the backend users get). `quality`: append the float32-vs-int8 report
     (`bench_quality`; a short one when `quick`). `busy`: the fresh-code workload's serial decode again
-    beside one busy process (`bench.busy`), against its idle rate and llama.cpp's.
+    beside one busy process (`bench.busy`), against its idle rate and llama.cpp's. `prefill`: a prompt
+    of that many tokens prefilled by the engine and by llama.cpp on the same ids (0: none).
     """
     say = progress or (lambda message: None)
     started = time.perf_counter()
@@ -384,7 +406,9 @@ def bench_decode(model: str | None, out: str | Path, draft_model: str | None = N
         verdicts = verdict_file()
     choice = Choice(backend, quant, device, dtype, verdicts)
     rig = load_rig(path, draft_model, choice, machine, say)
-    result = _record(rig, choice, timestamp, max_tokens, quick, machine, say, busy)
+    if prefill < 0:
+        raise ValueError("prefill must be a number of tokens >= 0")
+    result = _record(rig, choice, timestamp, max_tokens, quick, machine, say, busy, prefill)
     del rig  # the engines' memory goes back before the quality report loads its own
     if quality:
         _append_quality(result, path, quick, choice, say)

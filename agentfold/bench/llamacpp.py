@@ -148,6 +148,29 @@ def workload_row(runner: LlamaCpp, prompt: Sequence[int], max_tokens: int, stop_
     return row
 
 
+def prefill_rate(model_path: Path, ids: Sequence[int], threads: int) -> dict[str, Any]:
+    """llama.cpp's prefill of `ids` (our tokenizer's, so both read the same tokens): one `Llama.eval`
+    on a fresh context of just the room they need, its default batch sizes, timed by the wall clock."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"skipped": NOT_INSTALLED}
+    if model_path.suffix.lower() != ".gguf" or not model_path.is_file():
+        return {"skipped": f"{model_path} is not a GGUF file (llama.cpp reads GGUF only)"}
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=len(ids) + 8, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    try:
+        began = time.perf_counter()
+        llm.eval(list(ids))
+        seconds = time.perf_counter() - began
+    finally:
+        close = getattr(llm, "close", None)
+        if close is not None:
+            close()
+    return {"tokens": len(ids), "seconds": rounded(seconds, 4), "tps": rounded(len(ids) / seconds, 1),
+            "n_batch": getattr(llm, "n_batch", None)}
+
+
 def perplexity(model_path: Path, tokens: Sequence[int], threads: int) -> dict[str, Any]:
     """llama.cpp's perplexity of `tokens` (our tokenizer's ids, so both score the same tokens): its
     logits for every position (`logits_all`), scored by `bench.quality.nll_sum` as ours are."""

@@ -24,6 +24,8 @@ def add_parser(sub: Any) -> None:
     decode.add_argument("--no-quality", action="store_true", help="skip the float32-vs-int8 quality report")
     decode.add_argument("--busy", action="store_true",
                         help="also decode the fresh-code workload serially beside one busy process (kept share of idle)")
+    decode.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                        help="also prefill a prompt of TOKENS tokens (stdlib source), and llama.cpp the same ids")
     decode.add_argument("--out", required=True, help="JSON file to write")
     quality = bench_sub.add_parser("quality", help="perplexity of float32 vs int8 weights on a fixed text, per backend")
     add_model_file_args(quality)
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     result = bench_decode(args.model, args.out, draft_model=args.draft_model, max_tokens=args.max_tokens,
                           dtype=args.dtype, quick=args.quick, progress=progress, backend=args.backend,
                           quant=args.quant, device=args.device, verdicts=verdict_file(),
-                          quality=not args.no_quality, busy=args.busy)
+                          quality=not args.no_quality, busy=args.busy, prefill=args.prefill)
     progress(f"wrote {args.out}")
     for name, row in result.get("workloads", {}).items():
         progress(f"{name}: " + ", ".join(f"{k}={v}" for k, v in row.items() if isinstance(v, (int, float, bool))))

@@ -73,7 +73,7 @@ def test_workloads_are_deterministic_and_real():
 def test_bench_decode_quick_writes_complete_json(tmp_path):
     lines: list[str] = []
     out = tmp_path / "nested" / "b.json"
-    result = bench_decode(None, out, max_tokens=16, quick=True, progress=lines.append)
+    result = bench_decode(None, out, max_tokens=16, quick=True, progress=lines.append, prefill=96)
 
     on_disk = json.loads(out.read_text())
     assert on_disk == json.loads(json.dumps(result))
@@ -124,6 +124,9 @@ def test_bench_decode_quick_writes_complete_json(tmp_path):
     cost = on_disk["workloads"]["code-edit"]["exactness_cost"]
     assert ("skipped" in cost) if backend["name"] == "torch" else cost["exact_drafted_tps"] > 0
     assert any("code-edit" in line for line in lines) and any("loaded" in line for line in lines)
+    prefill = on_disk["prefill"]  # the engine's prefill of 96 tokens, and llama.cpp's of the same ids
+    assert prefill["prompt_tokens"] == 96 and prefill["agentfold"]["tokens"] == 96 and prefill["agentfold"]["tps"] > 0
+    assert prefill["llama_cpp"].get("tps", 0) > 0 or prefill["llama_cpp"] == {"skipped": NOT_INSTALLED}
 
 
 FAKE_LLAMA_CPP = """
@@ -135,7 +138,7 @@ REPLY = [5, 6, 7, 5, 6, 7, 9, 2, 11]  # 2 is the end-of-sequence token
 
 class Llama:
     def __init__(self, model_path, n_ctx=512, n_threads=None, n_threads_batch=None, draft_model=None, verbose=True):
-        self.model_path, self.draft_model = model_path, draft_model
+        self.model_path, self.draft_model, self.n_ctx = model_path, draft_model, n_ctx
         self.closed = False
 
     def token_eos(self):
@@ -151,6 +154,12 @@ class Llama:
 
     def close(self):
         self.closed = True
+
+    n_batch = 512
+
+    def eval(self, tokens):
+        assert 0 < len(tokens) <= self.n_ctx
+        self.evaluated = list(tokens)
 """
 FAKE_SPECULATIVE = """
 class LlamaPromptLookupDecoding:
@@ -198,6 +207,10 @@ def test_llama_cpp_row_with_a_stand_in_binding(tmp_path, stand_in_llama_cpp):
     folder = tmp_path / "folder-model"
     folder.mkdir()
     assert "not a GGUF file" in bench_llamacpp.open_llama_cpp(folder, n_ctx=256, threads=2)[1]["skipped"]
+
+    prefill = bench_llamacpp.prefill_rate(gguf, list(range(3, 40)), threads=2)
+    assert prefill["tokens"] == 37 and prefill["tps"] > 0 and prefill["n_batch"] == 512
+    assert "not a GGUF file" in bench_llamacpp.prefill_rate(folder, [1, 2], threads=2)["skipped"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed")
