@@ -23,10 +23,11 @@ from agentfold.bench.harness import ServerProcess
 from tests.helpers.live_assistants import PINNED, client_env, served_turns
 from tests.integrations.test_assistants_live import binary_or_skip, codex_events
 
-# A cold first turn prefills Claude Code's ~11.9K-token prompt (330 s on the 2-core AMD EPYC, 36 tok/s;
-# the whole test 394 s) and Codex's ~6.5K (the test 175 s). Claude Code drops a stream that carries only
-# pings for 10 min and sends the request again: `integrate` raises its limits, and the test checks that
-# no request was abandoned (the server's `cancelled` count). Codex on this model needs the reply-opening
+# A cold first turn prefills Claude Code's ~11.9K-token prompt (330 s on the 2-core AMD EPYC, 36 tok/s,
+# the whole test 394 s; 143 s on a 2-core Xeon) and Codex's ~6.5K (the test 175 s; 61 s of prefill on
+# the Xeon). Claude Code drops a stream that carries only pings for 10 min and sends the request
+# again: `integrate` raises its limits, and the test checks that no request was abandoned (the
+# server's `cancelled` count). Codex on this model needs the reply-opening
 # JSON call held to the declared names (`engine.lazy_calls`) and the `agentfold` profile's MCP server off
 # and developer instructions (`integrations/codex/profile.toml`).
 #
@@ -35,6 +36,12 @@ from tests.integrations.test_assistants_live import binary_or_skip, codex_events
 # several runs in one session (other temp folders); in the next, same date, binaries and kernels' bits,
 # Claude Code's turn after the Read result was a Write of the file (refused) and Codex's a sentence
 # about exec_command, the number in neither reply (README, "The real CLIs on the real coding model").
+# On a 2-core Xeon (2026-12-05), this note and question: Claude Code finished 5 of 6 runs, Codex 4 of
+# 6 (other temp folders each run; the 4 under pytest's own folders all passed, ~4 min for the two).
+# Other wordings did no better (README): Claude Code's usual miss is a Write of what it just read,
+# Codex's a refusal ("I'm sorry, but I can't assist with that." after reading "Do not share it"; without
+# that line Codex finished 3 of 3 and Claude Code 0 of 3), a `justification` Codex rejects, or steps in
+# a ```sh fence.
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     os.environ.get("AGENTFOLD_LIVE_CODER") != "1",
     reason="the coder model finishes the round trip on some days' prompts only: AGENTFOLD_LIVE_CODER=1 runs it")]
