@@ -118,13 +118,15 @@ class BlockLinear:
         self._ns = (ctypes.c_int64 * count)(*(w.n for w in weights))
         self._arguments: dict[str, tuple[ctypes.Array, ctypes.Array]] = {}
 
-    def _arguments_for(self, lib: ctypes.CDLL) -> tuple[ctypes.Array, ctypes.Array]:
-        """The segments' data pointers and type ids for `lib` (repacked where it repacks)."""
+    def segments(self, lib: ctypes.CDLL) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array]:
+        """The C arrays `block_linear` in `lib` takes for the segments: their data pointers and type
+        ids (the forms that library multiplies, repacked where it repacks) and output counts."""
         if lib._name not in self._arguments:
             forms = [w.kernel_form(lib) for w in self.weights]
             self._arguments[lib._name] = ((ctypes.c_void_p * len(forms))(*(data.ctypes.data for _, data in forms)),
                                         (ctypes.c_int * len(forms))(*(type_id for type_id, _ in forms)))
-        return self._arguments[lib._name]
+        data, types = self._arguments[lib._name]
+        return data, types, self._ns
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -148,8 +150,8 @@ class BlockLinear:
         lib = library()
         if lib is None:
             raise RuntimeError("block_linear: no C compiler here")
-        data, types = self._arguments_for(lib)
-        status = lib.block_linear(x.data_ptr(), m, self.k, x.stride(0), len(self.weights), data, types, self._ns,
+        data, types, ns = self.segments(lib)
+        status = lib.block_linear(x.data_ptr(), m, self.k, x.stride(0), len(self.weights), data, types, ns,
                                   bias.data_ptr() if bias is not None else None, out.data_ptr(), self.n,
                                   torch.get_num_threads() if threads is None else threads)
         if status == -2:

@@ -69,8 +69,8 @@ class LayerKernel:
             input_norm, post_norm, qkv_bias, o_bias = self.tensors
             gemms = []
             for linear, bias in zip(self.linears, (qkv_bias, o_bias, None, None), strict=True):
-                data, types = linear._arguments_for(lib)
-                gemms.append(_BlockGemm(ctypes.addressof(data), ctypes.addressof(types), ctypes.addressof(linear._ns),
+                data, types, ns = linear.segments(lib)
+                gemms.append(_BlockGemm(ctypes.addressof(data), ctypes.addressof(types), ctypes.addressof(ns),
                                         bias.data_ptr() if bias is not None else None, linear.n, len(linear.weights)))
             self._layers[lib._name] = _Layer(input_norm.data_ptr(), post_norm.data_ptr(), self.eps, self.scale,
                                              self.hidden, self.heads, self.kv_heads, self.head_dim,
