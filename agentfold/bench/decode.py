@@ -397,6 +397,8 @@ def bench_decode(model: str | None, out: str | Path, draft_model: str | None = N
         max_tokens = min(max_tokens, QUICK_MAX_TOKENS)
     if max_tokens < 2:
         raise ValueError("max_tokens must be >= 2 to measure a decode rate")
+    if prefill < 0:
+        raise ValueError("prefill must be a number of tokens >= 0")
     machine = machine_info()
 
     path = model_path(model)
@@ -406,8 +408,6 @@ def bench_decode(model: str | None, out: str | Path, draft_model: str | None = N
         verdicts = verdict_file()
     choice = Choice(backend, quant, device, dtype, verdicts)
     rig = load_rig(path, draft_model, choice, machine, say)
-    if prefill < 0:
-        raise ValueError("prefill must be a number of tokens >= 0")
     result = _record(rig, choice, timestamp, max_tokens, quick, machine, say, busy, prefill)
     del rig  # the engines' memory goes back before the quality report loads its own
     if quality:
