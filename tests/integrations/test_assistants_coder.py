@@ -12,7 +12,7 @@ ended in a tool call, then the request carrying its result, served from the cach
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,30 +24,29 @@ from tests.helpers.live_assistants import PINNED, client_env, served_turns
 from tests.integrations.test_assistants_live import binary_or_skip, codex_events
 
 # A cold first turn prefills Claude Code's ~11.9K-token prompt (330 s on the 2-core AMD EPYC, 36 tok/s,
-# the whole test 394 s; 143 s on a 2-core Xeon) and Codex's ~6.5K (the test 175 s; 61 s of prefill on
-# the Xeon). Claude Code drops a stream that carries only pings for 10 min and sends the request
-# again: `integrate` raises its limits, and the test checks that no request was abandoned (the
-# server's `cancelled` count). Codex on this model needs the reply-opening
-# JSON call held to the declared names (`engine.lazy_calls`) and the `agentfold` profile's MCP server off
-# and developer instructions (`integrations/codex/profile.toml`).
+# the whole test 394 s; 143 s on a 2-core Xeon) and Codex's ~6.2K (61 s on the Xeon). Claude Code
+# drops a stream that carries only pings for 10 min and sends the request again: `integrate` raises
+# its limits, and the test checks that no request was abandoned (the server's `cancelled` count).
+# Codex on this model needs the reply-opening JSON call held to the declared names
+# (`engine.lazy_calls`) and the `agentfold` profile's MCP server off and developer instructions
+# (`integrations/codex/profile.toml`).
 #
-# Opt-in (AGENTFOLD_LIVE_CODER=1), not in `.ci/run`: the 1.5B model finishes these round trips on some
-# prompts and not others, and each CLI's prompt carries the date and the working folder. Both passed in
-# several runs in one session (other temp folders); in the next, same date, binaries and kernels' bits,
-# Claude Code's turn after the Read result was a Write of the file (refused) and Codex's a sentence
-# about exec_command, the number in neither reply (README, "The real CLIs on the real coding model").
-# On a 2-core Xeon (2026-12-05), this note and question: Claude Code finished 5 of 6 runs, Codex 4 of
-# 6 (other temp folders each run; the 4 under pytest's own folders all passed, ~4 min for the two).
-# Other wordings did no better (README): Claude Code's usual miss is a Write of what it just read,
-# Codex's a refusal ("I'm sorry, but I can't assist with that." after reading "Do not share it"; without
-# that line Codex finished 3 of 3 and Claude Code 0 of 3), a `justification` Codex rejects, or steps in
-# a ```sh fence.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    os.environ.get("AGENTFOLD_LIVE_CODER") != "1",
-    reason="the coder model finishes the round trip on some days' prompts only: AGENTFOLD_LIVE_CODER=1 runs it")]
+# Each client's prompt carries its working folder and HOME (Claude Code's memory path is near the
+# top of its system prompt), the date and the OS version, and the 1.5B model's choice after the tool
+# result turns on such details: with pytest's numbered temp folders, Claude Code finished 5 of 6 runs
+# and Codex 4 of 6 (2026-12-05). So the clients work in fixed folders (`LIVE_ROOT`), leaving the date
+# (and the machine's OS version) as what varies from run to run, and the note is the one the model
+# handled on every date tried: decoding the captured requests of these CLIs in-process with the
+# date, note and question edited (README, "The real CLIs on the real coding model"), the note
+# `build_cache_key = 48213` with this question got a call on notes.txt and then the number on 8 of 8
+# dates spread over 2027 and on each of the 16 days from 2026-12-05, for both clients; the earlier
+# note with "Do not share it outside the team." drew Codex's "I'm sorry, but I can't assist with
+# that." on 3 of 8 dates, and Claude Code wrote `Write` calls with a plain sentence.
+pytestmark = pytest.mark.slow
 CLIENT_TIMEOUT_S = 1200
+LIVE_ROOT = Path("/tmp/agentfold-live-coder")  # fixed: each CLI's prompt carries its folder and HOME
 NUMBER = "48213"
-NOTES = f"Project notes\n\nThe build cache key for this project is {NUMBER}.\nDo not share it outside the team.\n"
+NOTES = f"build_cache_key = {NUMBER}\n"
 ASK = "Read notes.txt and tell me the build cache key written in it."
 FOLLOW_UP = "Thanks. In one short sentence: which file did you read?"
 
@@ -69,9 +68,13 @@ def integrate(client: str, home: Path, url: str) -> None:
                     str(home), "--base-url", url], check=True, capture_output=True, timeout=60)
 
 
-def workspace(tmp_path: Path) -> tuple[Path, Path]:
-    home, project = tmp_path / "home", tmp_path / "project"
-    home.mkdir()
+def workspace(client: str) -> tuple[Path, Path]:
+    """The client's HOME and project folder at their fixed place, made afresh (a run's files stay
+    there for reading until the next run)."""
+    root = LIVE_ROOT / client
+    shutil.rmtree(root, ignore_errors=True)
+    home, project = root / "home", root / "project"
+    home.mkdir(parents=True)
     project.mkdir()
     (project / "notes.txt").write_text(NOTES)
     return home, project
@@ -90,7 +93,7 @@ def assert_round_trip_served_from_cache(turns: list[dict], session: str, api: st
 
 def test_claude_code_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path) -> None:
     claude = binary_or_skip("claude")
-    home, project = workspace(tmp_path)
+    home, project = workspace("claude")
     env = client_env(home)
     with coder_server(coder_gguf, tmp_path / "server") as server:
         integrate("claude-code", home, server.url)
@@ -107,7 +110,7 @@ def test_claude_code_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path
 
 def test_codex_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path) -> None:
     codex = binary_or_skip("codex")
-    home, project = workspace(tmp_path)
+    home, project = workspace("codex")
     env = client_env(home)
     exec_args = [codex, "exec", "--strict-config", "--profile", "agentfold", "-c", "analytics.enabled=false", "--json",
                  "--skip-git-repo-check"]
