@@ -1,23 +1,28 @@
-"""Tool calls in free text: a lazy grammar that holds a call to the tools' schemas once it starts.
+"""Tool calls in free text: a lazy grammar that holds a call to the tools' schemas once the
+model has named a declared tool, and never makes a call of anything else.
 
 With `tool_choice: auto` a reply may be prose, code, or a call. The grammar here leaves the text
-free until the reply starts a call, in one of the two ways the served models write one:
+free until the reply names a declared tool in one of the ways the served models write a call:
 
 - the Hermes / Qwen tag `<tool_call>` (a single special token where the tokenizer has one, as
-  Qwen2.5's does, else the text; `special_tags` tells which);
+  Qwen2.5's does, else the text; `special_tags` tells which) followed by `{"name": "Read"`;
 - a JSON object that begins by naming a declared tool, `{"name": "Read"` (any whitespace, also
-  inside a fenced json block), as small models and Llama 3.x write calls;
-- a reply that opens with a JSON object whose first key is "name" (bare, or as the first thing in
-  a ```json fence): a call from its `{"name": "` on, whatever name the model had in mind. Small
-  models invent names there (Qwen2.5-Coder-1.5B under Codex's tools wrote `read_stdin` and
-  `read_file`, neither declared); held to the declared names, the same reply becomes a call the
-  client can run, where the text parser could only hand the client text. Only at the reply's
-  start: further in, a JSON object with a "name" key is as likely to be data (a package.json).
+  inside a fenced json block), as small models and Llama 3.x write calls.
 
-From there to the end of the call every token must follow the call's grammar: the declared
-name's arguments under its JSON schema (`declared_only`), under `"arguments"` or `"parameters"`,
-then `}` (and `</tool_call>` for the tag); then the text is free again. llguidance's lazy lexemes
-(`trig[lazy]: TEXT "<tool_call>"`) end the free text at the first trigger.
+From the declared name's closing quote to the end of the call every token must follow the call's
+grammar: that tool's arguments under its JSON schema (`declared_only`), under `"arguments"` or
+`"parameters"`, then `}` (and `</tool_call>` for the tag); then the text is free again.
+
+A name the tools do not declare starts nothing: the object, tagged or not, stays free text, and
+the server returns it as text (`chat.tool_calls` reads only declared names). Asked for a
+triangle's area with only `determine_body_mass_index` declared, the coder model writes
+`{"name": "calculate_area_of_triangle", ...}`; holding that object to the declared names (as this
+grammar once did from a reply-opening `{"name": "` on) made it a call of the BMI tool with
+arguments nobody asked for. After the `<tool_call>` special token, which cannot be part of a
+lazy trigger's text, the grammar allows either a declared call or any text that does not open
+with a declared name (`NOT_DECLARED`, a regex complement): the tag alone decides nothing.
+
+llguidance's lazy lexemes (`trig[lazy]: TEXT /.../`) end the free text at the first trigger.
 
 `LazyCallConstraint` keeps drafting exact and costs almost nothing while the text is free. For
 each row it takes the sampler's choice on the raw logits; only when the grammar refuses that
@@ -25,10 +30,10 @@ token does it compute the full-vocabulary mask and choose again among the allowe
 steps read only the row and the state after the committed tokens, so serial and verify rows
 choose alike. In free text nothing is refused (a special token the grammar cannot place, such
 as `<|python_tag|>`, passes unseen by it; an end-of-turn token ends the reply as always), so a
-reply that never starts a call is token for token the reply without the grammar. Under greedy
-decoding a refused-then-masked choice is exactly the masked argmax; with sampling, a raw choice
-the grammar allows stands (top-k / top-p are applied to the raw row), else the sampler chooses
-again on the masked row.
+reply that never names a declared tool is token for token the reply without the grammar. Under
+greedy decoding a refused-then-masked choice is exactly the masked argmax; with sampling, a raw
+choice the grammar allows stands (top-k / top-p are applied to the raw row), else the sampler
+chooses again on the masked row.
 """
 
 from __future__ import annotations
@@ -48,10 +53,6 @@ TAGS = ("<tool_call>", "</tool_call>")
 WS = r"[ \t\r\n]{0,24}"  # bounded: a small model must not loop on whitespace inside a call
 _JSON_OPTIONS = {"whitespace_pattern": WS, "item_separator": ",", "key_separator": ":"}
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
-# the start of a reply that opens a JSON object naming something: up to `{"name": "` (`lazy_tool_grammar`)
-LEAD = rf"[ \t\r\n]{{0,8}}(```(json)?[ \t]{{0,8}}\r?\n{WS})?\{{{WS}\"name\"{WS}:{WS}\""
-
-
 def is_lazy(grammar: str | None) -> bool:
     return bool(grammar) and grammar.startswith(LAZY_MARK)
 
@@ -70,31 +71,28 @@ def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] 
     that are single special tokens in the served tokenizer (`special_tags`)."""
     if not tools:
         raise ValueError("a lazy tool grammar needs at least one tool")
-    lines = [LAZY_MARK.rstrip("\n"), "%llguidance {}", "start: lead? call* free", "free: TEXT", r"TEXT: /(.|\n)*/",
-             f"WS: /{WS}/", f"ARGKEY: /{WS},{WS}\"(arguments|parameters)\"{WS}:{WS}/", f"CLOSE: /{WS}\\}}/",
-             f"lead_trig[lazy]: /{LEAD}/"]
-    calls, bodies, named = [], [], []
+    lines = [LAZY_MARK.rstrip("\n"), "%llguidance {}", "start: call* free", "free: TEXT", r"TEXT: /(.|\n)*/",
+             f"WS: /{WS}/", f"ARGKEY: /{WS},{WS}\"(arguments|parameters)\"{WS}:{WS}/", f"CLOSE: /{WS}\\}}/"]
+    close = tag_rule("</tool_call>", special)
+    calls, bodies, heads = [], [], []
     for i, tool in enumerate(tools):
         schema = {**declared_only(tool.get("parameters") or {"type": "object"}), "x-guidance": _JSON_OPTIONS}
+        head = _name_head(tool["name"])
         lines += [f"args_{i}: %json {json.dumps(schema)}",
                   f"rest_{i}: ARGKEY args_{i} CLOSE",
-                  f"HEAD_{i}: /{_name_head(tool['name'])}/",
-                  f"json_trig_{i}[lazy]: TEXT /{_name_head(tool['name'])}/",
+                  f"HEAD_{i}: /{head}/",
+                  f"json_trig_{i}[lazy]: TEXT /{head}/",
                   f"json_{i}: json_trig_{i} rest_{i}",
-                  f"body_{i}: HEAD_{i} rest_{i}",
-                  f"NAME_{i}: /{_regex(json.dumps(tool['name'], ensure_ascii=False)[1:])}/",
-                  f"named_{i}: NAME_{i} rest_{i}"]
-        calls.append(f"json_{i}")
+                  f"tag_trig_{i}[lazy]: TEXT /<tool_call>{WS}{head}/",
+                  f"tagged_{i}: tag_trig_{i} rest_{i} WS {close}",
+                  f"body_{i}: HEAD_{i} rest_{i}"]
+        calls += [f"json_{i}", f"tagged_{i}"]
         bodies.append(f"body_{i}")
-        named.append(f"named_{i}")
-    lines.append(f"lead: lead_trig ({' | '.join(named)})")
-    close = tag_rule("</tool_call>", special)
-    lines += [f"body: {' | '.join(bodies)}",
-              'tag_trig[lazy]: TEXT "<tool_call>"',
-              f"tagged: tag_trig WS body WS {close}"]
-    calls.append("tagged")
-    if "<tool_call>" in special:
-        lines.append(f"tagged_token: TEXT <tool_call> WS body WS {close}")
+        heads.append(head)
+    lines.append(f"body: {' | '.join(bodies)}")
+    if "<tool_call>" in special:  # after the tag token: a declared call, or text that names none
+        lines += [rf"NOT_DECLARED: /(.|\n)*/ & ~(/{WS}({'|'.join(heads)})(.|\n)*/)",
+                  f"tagged_token: TEXT <tool_call> ((WS body WS {close}) | NOT_DECLARED)"]
         calls.append("tagged_token")
     lines.append(f"call: {' | '.join(calls)}")
     return "\n".join(lines) + "\n"

@@ -31,6 +31,9 @@ SIGNATURES: dict[str, list | tuple[list, object]] = {
     "block_gemm_block": ([_INT, _PTR, _PTR], _INT),
     "block_gemm_avx2": ([], _INT),
     "block_gemm_vnni": ([], _INT),
+    "block_gemm_amx": ([], _INT),
+    "block_gemm_amx_calls": ([], _I64),
+    "block_gemm_amx_min_rows": ([], _INT),
     "block_linear": ([_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT], _INT),
     "block_gemm_packed_type": ([_INT], _INT),
     "block_gemm_packed_bytes": ([_INT, _I64, _I64], _I64),
@@ -163,7 +166,7 @@ class BlockLinear:
 
 def describe() -> dict[str, str]:
     lib = library()
-    path = "none" if lib is None else ("avx2+vnni" if lib.block_gemm_vnni() else "avx2" if lib.block_gemm_avx2()
-                                       else "portable")
+    path = "none" if lib is None else ("avx2+vnni+amx" if lib.block_gemm_amx() else "avx2+vnni" if lib.block_gemm_vnni()
+                                       else "avx2" if lib.block_gemm_avx2() else "portable")
     return {"linear": f"block_gemm/{VERSION}", "weights": "GGUF blocks", "activations": "int8 per 256 (K) / 32",
             "block_gemm": f"block_gemm.c/{path}"}

@@ -14,7 +14,9 @@ one-row step makes (same shapes, same keys 0..position), and wider passes are pr
 computed in batched blocks of query rows: those follow the prefill plan, the same for fresh and
 resumed prompts. (Until VERSION 5 prefill chunks took the batched blocks with the C kernel too:
 the C call is 1.5-2x faster there, 2x at 8K tokens of context, where the blocks' float32 score
-matrices ran to 80 MB.)
+matrices ran to 80 MB.) Since VERSION 6 a long prefill chunk (`MATRIX_MIN_ROWS`) attends on the
+CPU's matrix tiles where it has AMX-BF16: still one row's arithmetic of its own, but other bits
+than a decode row's, so only chunks the prefill plan cuts take it.
 
 Row-wise ops (norms, softmax, SiLU): `rows_alike` says when torch's own kernel already gives
 every row a one-row call's arithmetic (reductions over rows shorter than a thread's grain; exp on
@@ -35,9 +37,24 @@ import torch.nn.functional as F
 
 from agentfold.kernels import native
 
-VERSION = 5  # bump when any kernel's arithmetic changes (it is part of snapshot keys); 5: lane attention sums by
-# key lanes, and prefill chunks attend through it too
+VERSION = 6  # bump when any kernel's arithmetic changes (it is part of snapshot keys); 5: lane attention sums by
+# key lanes, and prefill chunks attend through it too; 6: long prefill chunks on AMX-BF16 tiles (MATRIX_MIN_ROWS)
 PER_ROW_LIMIT = 64  # passes wider than this are prefill chunks: batched, not row-exact
+# A lane of a prefill chunk (a pass inside `prefill_chunk()`) with at least this many rows attends on
+# the matrix tiles where the CPU has AMX-BF16 (csrc/lane_attention.c, `lane_attention_prefill`):
+# ~2.5x less CPU time for 512 rows over 4K-12K keys, other bits than the vector path a decode row
+# takes. Which path a row takes must be fixed by the prefill plan (DESIGN contract 2), never by what
+# shares its pass or how a driver cut it: `prefill_chunk()` is entered by the backends' prefill
+# steps (a chunk of the plan, or a prompt request run alone), and prompt rows that may ride in a
+# shared pass (`forward_many`, outside `prefill_chunk()` anyway), where the scheduler
+# cuts them to what fits beside the replies' rows, come in requests of at most
+# `engine.decode.PROMPT_PASS_MAX` (128) rows: always below this, so they stay on the vectors in
+# every case. A chunk of 129 rows or more is therefore always a whole chunk between two cuts of the
+# plan, the same for fresh and resumed prompts. (Decode and verify passes never enter
+# `prefill_chunk()`; the C decoder layer, which runs passes of up to 128 rows, calls the vector
+# path.) Each row's bits on the tiles depend only on its own query, keys and values, so the rows
+# of the chunk also agree across thread counts and with whatever else shares the call.
+MATRIX_MIN_ROWS = 129
 PREFILL_BLOCK = 256  # query rows per batched attention call (bounds the score matrix)
 PROBE_ROWS = 16  # the widest block `linear` checks for
 GRAIN = 32768  # at::internal::GRAIN_SIZE: tensors with fewer elements run on one thread
@@ -191,7 +208,11 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions:
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _LANE_SIGNATURE = {"lane_attention": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
                                       ctypes.c_float, _I64, ctypes.c_int, _I64, _PTR, _I64, _PTR, _I64, _I64],
-                   "lane_attention_fused": ([], ctypes.c_int), "lane_attention_halves": ([], ctypes.c_int)}
+                   "lane_attention_prefill": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                                              ctypes.c_float, _I64, ctypes.c_int, _I64, _PTR, _I64, _PTR, _I64, _I64,
+                                              _I64],
+                   "lane_attention_fused": ([], ctypes.c_int), "lane_attention_halves": ([], ctypes.c_int),
+                   "lane_attention_matrix": ([], ctypes.c_int), "lane_attention_matrix_rows": ([], _I64)}
 CACHE_DTYPES = {torch.float32: 0, torch.float16: 1}  # the caches the C kernel reads (value: its `half` flag)
 LaneKV = tuple[int, int, int, torch.Tensor, torch.Tensor]  # rows begin, rows, start, keys, values [kv_heads, cap, d]
 
@@ -213,7 +234,8 @@ def attention_kernel() -> str:
     lib = lane_library()
     if lib is None:
         return "torch per row"
-    return "lane_attention.c/fma" if lib.lane_attention_fused() else "lane_attention.c"
+    name = "lane_attention.c/fma" if lib.lane_attention_fused() else "lane_attention.c"
+    return name + "+amx-bf16-prefill" if lib.lane_attention_matrix() else name
 
 
 class LaneTable:
@@ -263,10 +285,11 @@ class LaneTable:
             if new.dtype != torch.float32 or new.stride(2) != 1 or new.stride(1) != d:
                 new = new.float().contiguous()
             written.append((new.data_ptr(), new.stride(0)))
-        lane_library().lane_attention(q.data_ptr(), out.data_ptr(), heads, kv_heads, d, self.count, self.begin,
-                                      self.lengths, self.start, capacity, keys, values, scale, window or 0,
-                                      torch.get_num_threads(), half, written[0][0], written[0][1], written[1][0],
-                                      written[1][1], blocked)
+        matrix = MATRIX_MIN_ROWS if getattr(_PREFILL, "on", False) else 0  # (see MATRIX_MIN_ROWS)
+        lane_library().lane_attention_prefill(q.data_ptr(), out.data_ptr(), heads, kv_heads, d, self.count,
+                                              self.begin, self.lengths, self.start, capacity, keys, values, scale,
+                                              window or 0, torch.get_num_threads(), half, written[0][0],
+                                              written[0][1], written[1][0], written[1][1], blocked, matrix)
         return out
 
 

@@ -38,7 +38,9 @@ from agentfold.sessions.snapshots import (
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 1  # chunk grid + assistant-message starts; bump when the plan changes
+PLAN_VERSION = 2  # chunk grid + the prompt head + assistant-message starts; bump when the plan changes
+HEAD_ROLES = ("system", "developer")
+HEAD_MIN_TOKENS = 128  # a shorter head prefills in about a second: not worth a snapshot of its own
 
 Message = dict[str, Any]
 
@@ -56,6 +58,8 @@ class TurnInfo:
     cuts: list[int] = field(default_factory=list)
     miss_reasons: list[str] = field(default_factory=list)  # why a (longer) prefix was not reused
     restore_seconds: float = 0.0
+    head_tokens: int = 0  # of `cached_tokens`, those restored from a prompt head any conversation shares
+    head_snapshot_id: str | None = None  # the head snapshot this turn stored, if it prefilled the head
 
 
 def snapshot_key(engine: Engine) -> str:
@@ -79,14 +83,42 @@ def snapshot_key(engine: Engine) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def prompt_head(encode_head: Callable[[Sequence[Message]], list[int]], messages: Sequence[Message],
+                prompt: Sequence[int]) -> int:
+    """Where the prompt's head ends: its leading system / developer messages and the tool
+    declarations the template renders with them; 0 when the prompt has none.
+
+    Every new conversation of one client in one folder opens with the same head (Claude Code's
+    system prompt and tools are ~11K tokens of a ~12K first turn, Codex's developer messages and
+    tools ~5K of ~6K), so the head is a cut of the plan and its cache is kept as a snapshot any
+    conversation that starts with the same tokens restores (`PreparedTurn.snapshot_at_reply`).
+    Only the leading messages count: a later system message (Claude Code's environment) is part of
+    the conversation. A head under HEAD_MIN_TOKENS is none.
+    """
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") in HEAD_ROLES:
+        lead += 1
+    if lead == 0 or lead == len(messages):
+        return 0  # no system message leads, or nothing follows them
+    try:
+        head = encode_head(messages[:lead])
+    except Exception:  # noqa: BLE001  (a template may refuse a prefix: no head)
+        return 0
+    if HEAD_MIN_TOKENS <= len(head) < len(prompt) and list(prompt[: len(head)]) == head:
+        return len(head)
+    return 0
+
+
 def assistant_cuts(encode_head: Callable[[Sequence[Message]], list[int]], messages: Sequence[Message],
                    prompt: Sequence[int]) -> list[int]:
-    """Prefill cuts where each assistant message starts and where this prompt's reply starts.
+    """Prefill cuts where the prompt's head ends (`prompt_head`), where each assistant message
+    starts and where this prompt's reply starts.
 
     `encode_head(messages[:i])` renders a prefix without the generation prompt; a cut is kept
     only where that rendering is also a token prefix of `prompt`. A resumed turn restores the
-    snapshot taken where the previous reply began, so fresh and resumed prefills pass through
-    the same chunk boundaries and give the same bytes (DESIGN contract 2).
+    snapshot taken where the previous reply began (a new conversation, the one taken where the
+    shared head ends), so fresh and resumed prefills pass through the same chunk boundaries and
+    give the same bytes (DESIGN contract 2).
     """
     starts = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and i > 0]
     cuts = []
@@ -97,7 +129,8 @@ def assistant_cuts(encode_head: Callable[[Sequence[Message]], list[int]], messag
             continue
         if 0 < len(head) < len(prompt) and list(prompt[: len(head)]) == head:
             cuts.append(len(head))
-    return sorted(set(cuts))
+    head = prompt_head(encode_head, messages, prompt)
+    return sorted(set(cuts) | ({head} if head else set()))
 
 
 def reply_start(plan: Sequence[int], cuts: Sequence[int]) -> int:
@@ -116,7 +149,9 @@ class PreparedTurn:
     """A turn restored from its longest usable snapshot, ready for the engine to prefill and decode.
 
     Pass `snapshot_at_reply` to the engine as `on_prefill`: it stores the cache once the prefill
-    reaches `target` (the start of this reply), the state the next turn restores.
+    reaches `head` (the end of the prompt's shared head, `prompt_head`), the state a new
+    conversation with the same head restores, and once it reaches `target` (the start of this
+    reply), the state the next turn restores.
     """
 
     prompt: list[int]
@@ -131,9 +166,20 @@ class PreparedTurn:
     target: int = 0  # `reply_start`: where this reply starts and its snapshot is taken
     boundaries: list[int] = field(default_factory=list)  # the plan's cuts before `target`
     save: Callable[[CacheState, list[int], str | None, list[str]], str | None] | None = None
+    head: int = 0  # `prompt_head`: where the shared head ends (a cut of the plan), 0 for none
+    head_saved: str | None = None  # the head snapshot stored by this turn
+
+    @property
+    def head_tokens(self) -> int:
+        """Tokens restored from a shared head's snapshot (not from this conversation's own)."""
+        return self.cached if self.head and self.cached == self.head else 0
 
     def snapshot_at_reply(self, cache: CacheState) -> None:
-        if self.save is not None and cache.length == self.target and self.saved is None:
+        if self.save is None:
+            return
+        if self.cached < self.head == cache.length < self.target and self.head_saved is None:
+            self.head_saved = self.save(cache, [b for b in self.boundaries if b < self.head], None, self.reasons)
+        if cache.length == self.target and self.saved is None:
             self.saved = self.save(cache, self.boundaries, self.used, self.reasons)
 
     def snapshot_prefilled(self, cache: CacheState) -> str | None:
@@ -166,20 +212,23 @@ class SessionManager:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
     def render(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
-        """Prompt ids and the plan's cuts (see `assistant_cuts`)."""
+        """Prompt ids and the plan's cuts (see `assistant_cuts`; the head's is `prompt_head`)."""
         prompt = self._encode(messages, True)
         return prompt, assistant_cuts(lambda head: self._encode(head, False), messages, prompt)
+
+    def head_of(self, messages: Sequence[Message], prompt: Sequence[int]) -> int:
+        return prompt_head(lambda head: self._encode(head, False), messages, prompt)
 
     # --- replies ---
 
     def reply(self, request: Sequence[Message] | Sequence[int], config: GenerationConfig | None = None,
-              session_id: str | None = None, cuts: Sequence[int] = ()) -> tuple[Completion, TurnInfo]:
-        """Answer a message list (or prompt ids with optional `cuts`) within a session.
+              session_id: str | None = None, cuts: Sequence[int] = (), head: int = 0) -> tuple[Completion, TurnInfo]:
+        """Answer a message list (or prompt ids with optional `cuts` and `head`) within a session.
 
         Same bytes as a fresh manager with an empty store; only the prefill work differs.
         """
         with self._lock:
-            prepared = self.restore(request, session_id, cuts)
+            prepared = self.restore(request, session_id, cuts, head)
             completion = self.engine.generate(prepared.prompt, config or GenerationConfig(), prepared.cache,
                                               prepared.cuts, on_prefill=prepared.snapshot_at_reply)
             info = self.finish(prepared, completion)
@@ -187,7 +236,7 @@ class SessionManager:
             return completion, info
 
     def restore(self, request: Sequence[Message] | Sequence[int], session_id: str | None = None,
-                cuts: Sequence[int] = ()) -> PreparedTurn:
+                cuts: Sequence[int] = (), head: int = 0) -> PreparedTurn:
         """The longest usable snapshot of this prompt, restored; the engine prefills the rest.
 
         The caller streams from `prepared.cache` with `prepared.cuts` and
@@ -196,6 +245,7 @@ class SessionManager:
         """
         if request and isinstance(request[0], dict):
             prompt, cuts = self.render(request)  # type: ignore[arg-type]
+            head = self.head_of(request, prompt)  # type: ignore[arg-type]
             title = next((str(m.get("content", ""))[:60] for m in request if m.get("role") == "user"), "")
         else:
             prompt, cuts, title = [int(t) for t in request], sorted(set(cuts)), ""
@@ -208,8 +258,10 @@ class SessionManager:
         cache, used, reasons = self._restore(prompt, plan, session_id)
         target = reply_start(plan, cuts)
         saved = used if used and cache.length == target else None
+        head = head if head in plan and head < target else 0  # a head off the plan is none
         return PreparedTurn(prompt, list(cuts), cache, session_id, cache.length, used, saved, reasons,
-                            time.perf_counter() - started, target, [b for b in plan if b < target], self._save)
+                            time.perf_counter() - started, target, [b for b in plan if b < target], self._save,
+                            head)
 
     def finish(self, prepared: PreparedTurn, completion: Completion) -> TurnInfo:
         """Record the turn and fold the restore time (before the engine started) into its stats."""
@@ -219,7 +271,8 @@ class SessionManager:
         index = self._record(prepared.session_id, len(prepared.prompt), len(completion.tokens),
                              prepared.saved or prepared.used)
         return TurnInfo(prepared.session_id, index, len(prepared.prompt), prepared.cached, prepared.used,
-                        prepared.saved, prepared.cuts, prepared.reasons, prepared.restore_seconds)
+                        prepared.saved, prepared.cuts, prepared.reasons, prepared.restore_seconds,
+                        prepared.head_tokens, prepared.head_saved)
 
     def _restore(self, prompt: list[int], plan: list[int], session_id: str) -> tuple[CacheState, str | None, list[str]]:
         """The longest verified snapshot on this plan (this session's first), or an empty cache."""

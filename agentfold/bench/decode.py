@@ -321,7 +321,7 @@ def _prefill_row(rig: Rig, tokens: int, machine: dict[str, Any], say: Callable[[
 
 
 def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bool, machine: dict[str, Any],
-            say: Callable[[str], None], busy: bool = False, prefill: int = 0) -> dict[str, Any]:
+            say: Callable[[str], None], busy: bool = False, prefill: Sequence[int] = ()) -> dict[str, Any]:
     """Every step from the roofline to the last workload, and the record they make (quality not yet in)."""
     roofline = Roofline.measure(rig, quick, say)
     loads = [(w, encode_chat(rig.tokenizer, w["messages"])) for w in workloads(quick)]
@@ -335,7 +335,7 @@ def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bo
         busy_machine = {"workload": name, **busy_row(rig.engine, llama, prompt, max_tokens, rig.eos, rows[name], say)}
     if llama is not None:
         llama.close()
-    prefill_row = _prefill_row(rig, prefill, machine, say) if prefill else None
+    prefill_rows = [_prefill_row(rig, tokens, machine, say) for tokens in prefill]
     result: dict[str, Any] = {
         **run_header(SCHEMA, timestamp, quick, machine),
         "max_tokens": max_tokens,
@@ -351,8 +351,8 @@ def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bo
     }
     if busy_machine is not None:
         result["busy_machine"] = busy_machine
-    if prefill_row is not None:
-        result["prefill"] = prefill_row
+    if prefill_rows:
+        result["prefill"] = {"rows": prefill_rows}
     result["summary"] = _summary(rows)
     return result
 
@@ -380,15 +380,15 @@ def _append_quality(result: dict[str, Any], path: Path, quick: bool, choice: Cho
 def bench_decode(model: str | None, out: str | Path, draft_model: str | None = None, max_tokens: int = 128,
                  dtype: str | None = "float32", quick: bool = False, progress: Callable[[str], None] = print,
                  backend: str = "auto", quant: str = "auto", device: str = "auto", verdicts: Path | None = None,
-                 quality: bool = True, busy: bool = False, prefill: int = 0) -> dict:
+                 quality: bool = True, busy: bool = False, prefill: int | Sequence[int] = ()) -> dict:
     """Measure serial, drafted, mlx-lm and llama.cpp greedy decode on code-edit, fresh-code and prose; write JSON.
 
     `backend` / `quant` / `device` go to `build_engine`; `backend="auto"` remembers its verdict in
     `verdicts` (default: `models.verdict_file()`, the file `agentfold generate` reads too, so the
     bench measures the backend users get). `quality`: append the float32-vs-int8 report
     (`bench_quality`; a short one when `quick`). `busy`: the fresh-code workload's serial decode again
-    beside one busy process (`bench.busy`), against its idle rate and llama.cpp's. `prefill`: a prompt
-    of that many tokens prefilled by the engine and by llama.cpp on the same ids (0: none).
+    beside one busy process (`bench.busy`), against its idle rate and llama.cpp's. `prefill`: prompts
+    of these many tokens, each prefilled by the engine and by llama.cpp on the same ids (`prefill.rows`).
     """
     say = progress or (lambda message: None)
     started = time.perf_counter()
@@ -397,8 +397,10 @@ def bench_decode(model: str | None, out: str | Path, draft_model: str | None = N
         max_tokens = min(max_tokens, QUICK_MAX_TOKENS)
     if max_tokens < 2:
         raise ValueError("max_tokens must be >= 2 to measure a decode rate")
-    if prefill < 0:
-        raise ValueError("prefill must be a number of tokens >= 0")
+    prefill = [prefill] if isinstance(prefill, int) else list(prefill)
+    prefill = [tokens for tokens in prefill if tokens != 0]
+    if any(tokens < 0 for tokens in prefill):
+        raise ValueError("prefill must be numbers of tokens >= 0")
     machine = machine_info()
 
     path = model_path(model)

@@ -7,6 +7,12 @@
 - what small models fall back to: a JSON object naming a declared tool, with `arguments` or
   `parameters`, bare or in a ```json (or bare ```) fence.
 
+Several calls in one reply: several tags, fences or objects one after another (Llama 3.x puts `;`
+between them, which is skipped like any text after a call); a JSON list of call objects, bare, in
+a fence or in one tag (`[{"name": ...}, {"name": ...}]`); several objects in one tag. A list whose
+first element is a declared tool's call is a list of calls: its elements that name no declared
+tool, or whose arguments do not fit, are dropped (never made calls of something else).
+
 `recognize(text, i, ...)` answers for the text from position i: `NO` (no call starts here,
 whatever follows), `WAIT` (more text decides) or a `Found` call and where its text ends. An
 answer other than WAIT never changes as text is appended, so a reply parsed piece by piece reads
@@ -38,9 +44,9 @@ _LITERAL_NAMES = {"true": True, "false": False, "null": None, "True": True, "Fal
 
 @dataclass
 class Found:
-    """A call whose text ends at `end`."""
+    """The calls (one, or a list's) whose text ends at `end`."""
 
-    call: ToolCall
+    calls: list[ToolCall]
     end: int
 
 
@@ -57,6 +63,8 @@ def recognize(text: str, i: int, tools: DeclaredTools, final: bool, memo: dict[A
         return _fenced(text, i, tools, final, memo)
     if char == "{" and not tools.any_name:
         return _json_call(text, i, tools, final, memo)
+    if char == "[" and not tools.any_name:
+        return _json_list(text, i, tools, final, memo)
     return NO
 
 
@@ -89,20 +97,32 @@ def _tag_block(text: str, start: int, tools: DeclaredTools, final: bool, memo: d
         memo[("close", start)] = max(start, len(text) - len(TOOL_CALL_CLOSE) + 1)
         return WAIT
     body, end = (text[start:], len(text)) if close < 0 else (text[start:close], close + len(TOOL_CALL_CLOSE))
-    call = body_call(body, tools)
-    return Found(call, end) if call is not None else NO
+    calls = body_calls(body, tools)
+    return Found(calls, end) if calls else NO
 
 
 def body_call(body: str, tools: DeclaredTools) -> ToolCall | None:
     """A tag block's body (`{"name": ..., "arguments": {...}}`, also fenced) as a call."""
+    calls = body_calls(body, tools)
+    return calls[0] if len(calls) == 1 else None
+
+
+def body_calls(body: str, tools: DeclaredTools) -> list[ToolCall]:
+    """The calls of a tag block's body: one object (also fenced, also with text around it), a list
+    of call objects, or several objects one after another; [] when any of them is no call."""
     text = body.strip()
     if text.startswith(FENCE):
         text = text.strip("`").removeprefix("json").strip()
     try:
-        value = json.loads(text)
+        values = [json.loads(text)]
     except ValueError:
-        value = _first_json_object(text)
-    return object_call(value, tools, strict=False)
+        values = _json_values(text)
+    if len(values) == 1 and isinstance(values[0], list):
+        values = values[0]
+        calls = [object_call(value, tools) for value in values]
+    else:
+        calls = [object_call(value, tools, strict=False) for value in values]
+    return calls if calls and all(call is not None for call in calls) else []  # type: ignore[return-value]
 
 
 def object_call(value: Any, tools: DeclaredTools, strict: bool = True) -> ToolCall | None:
@@ -112,15 +132,23 @@ def object_call(value: Any, tools: DeclaredTools, strict: bool = True) -> ToolCa
     return tools.call(value.get("name"), value.get("arguments", value.get("parameters")))
 
 
-def _first_json_object(text: str) -> Any:
+def _json_values(text: str) -> list[Any]:
+    """The JSON objects in `text` from its first `{`, one after another (whitespace, `,` or `;`
+    between them); [None] when none parses."""
     start = text.find("{")
-    if start < 0:
-        return None
-    try:
-        value, _ = json.JSONDecoder().raw_decode(text[start:])
-    except ValueError:
-        return None
-    return value
+    values: list[Any] = []
+    decoder = json.JSONDecoder()
+    while 0 <= start < len(text):
+        try:
+            value, start = decoder.raw_decode(text, start)
+        except ValueError:
+            break
+        values.append(value)
+        while start < len(text) and (text[start].isspace() or text[start] in ",;"):
+            start += 1
+        if start < len(text) and text[start] != "{":
+            break
+    return values or [None]
 
 
 def _fenced(text: str, i: int, tools: DeclaredTools, final: bool, memo: dict[Any, Any]) -> Answer:
@@ -139,7 +167,11 @@ def _fenced(text: str, i: int, tools: DeclaredTools, final: bool, memo: dict[Any
         return NO if final else WAIT
     if info == "tool_code" and text[j] != "{":
         return _python_call(text, j, tools, final, memo)
-    return _json_call(text, j, tools, final, memo) if text[j] == "{" and not tools.any_name else NO
+    if tools.any_name:
+        return NO
+    if text[j] == "[":
+        return _json_list(text, j, tools, final, memo)
+    return _json_call(text, j, tools, final, memo) if text[j] == "{" else NO
 
 
 def _skip_space(text: str, j: int) -> int:
@@ -156,17 +188,44 @@ def _json_call(text: str, j: int, tools: DeclaredTools, final: bool, memo: dict[
         head = _head(text, j, tools)
         if head != "yes":
             return NO if final else head
+    closed = _closed_json(text, j, final, memo)
+    if not isinstance(closed, tuple):
+        return closed
+    value, end = closed
+    call = object_call(value, tools)
+    return Found([call], end) if call is not None else NO
+
+
+def _closed_json(text: str, j: int, final: bool, memo: dict[Any, Any]) -> tuple[Any, int] | str:
+    """The JSON value that opens at `j` and where it ends, once its brackets close; else WAIT / NO."""
     end = _closing(text, j, memo, '"')
     if end is None:
         return NO if final else WAIT
     if end < 0:
         return NO
     try:
-        value = json.loads(text[j:end])
+        return json.loads(text[j:end]), end
     except ValueError:
         return NO
-    call = object_call(value, tools)
-    return Found(call, end) if call is not None else NO
+
+
+def _json_list(text: str, j: int, tools: DeclaredTools, final: bool, memo: dict[Any, Any]) -> Answer:
+    """A JSON list at `j` whose first element names a declared tool first: its elements that are
+    declared calls whose arguments fit (the rest dropped)."""
+    k = _skip_space(text, j + 1)
+    if k == len(text):
+        return NO if final else WAIT
+    if text[k] != "{":
+        return NO
+    head = _head(text, k, tools)
+    if head != "yes":
+        return NO if final else head
+    closed = _closed_json(text, j, final, memo)
+    if not isinstance(closed, tuple):
+        return closed
+    values, end = closed
+    calls = [call for call in (object_call(value, tools) for value in values) if call is not None]
+    return Found(calls, end) if calls else NO
 
 
 def _head(text: str, j: int, tools: DeclaredTools) -> str:
@@ -253,7 +312,7 @@ def _python_call(text: str, j: int, tools: DeclaredTools, final: bool, memo: dic
     if end < 0:
         return NO
     call = python_call(text[j:end], tools)
-    return Found(call, end) if call is not None else NO
+    return Found([call], end) if call is not None else NO
 
 
 def python_call(source: str, tools: DeclaredTools) -> ToolCall | None:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentfold.sessions.manager import assistant_cuts
+from agentfold.sessions.manager import assistant_cuts, prompt_head
 
 Message = dict[str, Any]
 MEMO_ENTRIES = 512  # rendered prefixes kept (a 30-turn agent session holds ~30)
@@ -63,9 +63,10 @@ class PrefixMemo:
 
 
 def message_cuts(memo: PrefixMemo, encode_head: Callable[[Sequence[Message]], list[int]],
-                 messages: Sequence[Message], prompt: Sequence[int], salt: str) -> list[int]:
-    """`assistant_cuts` of `prompt`, rendering only the prefixes `memo` has not seen."""
-    return assistant_cuts(memo.encoder(encode_head, messages, salt), messages, prompt)
+                 messages: Sequence[Message], prompt: Sequence[int], salt: str) -> tuple[list[int], int]:
+    """`assistant_cuts` and `prompt_head` of `prompt`, rendering only the prefixes `memo` has not seen."""
+    encode = memo.encoder(encode_head, messages, salt)
+    return assistant_cuts(encode, messages, prompt), prompt_head(encode, messages, prompt)
 
 
 _MEMOS: weakref.WeakKeyDictionary[Any, PrefixMemo] = weakref.WeakKeyDictionary()

@@ -17,7 +17,7 @@ from agentfold.chat.call_check import DeclaredTools
 from agentfold.chat.call_forms import NO, WAIT, Found, body_call, recognize
 from agentfold.chat.tools import ToolCall, ToolSpec
 
-_CANDIDATE = re.compile(r"[<`{]")  # where a call can start: a tag, a fence, a JSON object
+_CANDIDATE = re.compile(r"[<`{\[]")  # where a call can start: a tag, a fence, a JSON object or list
 
 
 @dataclass
@@ -38,11 +38,14 @@ class ToolCallParser:
     count (several = parallel calls). `tools`: the declared tools, which the JSON and Python
     forms must name and every call's arguments must fit; None takes any name, tagged calls only.
     `prefix` is output the prompt already forced, parsed as if the model had written it.
-    With `enabled=False` everything is text.
+    With `enabled=False` everything is text. `max_calls`: calls past this many are dropped (1 where
+    the request set `parallel_tool_calls: false`).
     """
 
-    def __init__(self, enabled: bool = True, prefix: str = "", tools: Sequence[ToolSpec] | None = None) -> None:
+    def __init__(self, enabled: bool = True, prefix: str = "", tools: Sequence[ToolSpec] | None = None,
+                 max_calls: int | None = None) -> None:
         self.enabled = enabled
+        self.max_calls = max_calls
         self.tools = DeclaredTools(tools)
         self.buffer = ""
         self.calls: list[ToolCall] = []
@@ -87,8 +90,10 @@ class ToolCallParser:
                 self._trim(len(settled))
                 return
             assert isinstance(answer, Found)
-            self.calls.append(answer.call)
-            out.append(answer.call)
+            for call in answer.calls:
+                if self.max_calls is None or len(self.calls) < self.max_calls:
+                    self.calls.append(call)
+                    out.append(call)
             self._trim(answer.end)
             i = 0
         if not final:
@@ -119,9 +124,9 @@ def parse_tool_call(body: str, tools: Sequence[ToolSpec] | None = None) -> ToolC
 
 
 def parse_output(text: str, tools_enabled: bool = True, prefix: str = "",
-                 tools: Sequence[ToolSpec] | None = None) -> tuple[str, list[ToolCall]]:
+                 tools: Sequence[ToolSpec] | None = None, max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
     """Content and tool calls of a whole reply (the non-streaming form of ToolCallParser)."""
-    parser = ToolCallParser(tools_enabled, prefix, tools)
+    parser = ToolCallParser(tools_enabled, prefix, tools, max_calls)
     parser.feed(text)
     parser.finish()
     return parser.content, parser.calls

@@ -16,7 +16,8 @@ from agentfold.cli.args import add_model_args, add_model_file_args, progress
 def add_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks (JSON out)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    decode = bench_sub.add_parser("decode", help="serial vs drafted vs mlx_lm on code edit, fresh code, prose")
+    decode = bench_sub.add_parser("decode", help="serial vs drafted vs llama.cpp and mlx_lm on code edit, fresh code, "
+                                   "prose; --busy, --prefill")
     add_model_args(decode)
     decode.add_argument("--draft-model")
     decode.add_argument("--max-tokens", type=int, default=128)
@@ -24,10 +25,12 @@ def add_parser(sub: Any) -> None:
     decode.add_argument("--no-quality", action="store_true", help="skip the float32-vs-int8 quality report")
     decode.add_argument("--busy", action="store_true",
                         help="also decode the fresh-code workload serially beside one busy process (kept share of idle)")
-    decode.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
-                        help="also prefill a prompt of TOKENS tokens (stdlib source), and llama.cpp the same ids")
+    decode.add_argument("--prefill", default="", metavar="TOKENS[,TOKENS...]",
+                        help="also prefill prompts of these many tokens (stdlib source, e.g. 4096,12288), and "
+                             "llama.cpp the same ids")
     decode.add_argument("--out", required=True, help="JSON file to write")
-    quality = bench_sub.add_parser("quality", help="perplexity of float32 vs int8 weights on a fixed text, per backend")
+    quality = bench_sub.add_parser("quality", help="perplexity of float32, int8 and the GGUF's own blocks (and "
+                                    "llama.cpp) on a fixed text, per backend")
     add_model_file_args(quality)
     quality.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"],
                          help="auto (default): every backend that runs here; or just mlx or torch")
@@ -40,6 +43,11 @@ def add_parser(sub: Any) -> None:
     sessions.add_argument("--contexts", default="2048,8192", help="context sizes in tokens, comma-separated")
     sessions.add_argument("--quick", action="store_true")
     sessions.add_argument("--out", required=True, help="JSON file to write")
+    tools = bench_sub.add_parser("tools", help="tool calls through the server on cases of four kinds (one function, "
+                                 "one of several, several calls, no tool fits), scored beside the model's raw text")
+    add_model_args(tools)
+    tools.add_argument("--quick", action="store_true", help="two cases of each kind")
+    tools.add_argument("--out", required=True, help="JSON file to write")
     agent = bench_sub.add_parser("agent", help="a 30+ turn coding-agent session through both APIs: cached share, "
                                  "TTFT and prefill per turn, after a restart, against a fresh server")
     add_model_file_args(agent)
@@ -101,6 +109,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.bench == "lanes":
         return _run_lanes(args)
+    if args.bench == "tools":
+        from agentfold.bench.harness import BenchError
+        from agentfold.bench.tools import bench_tools
+        from agentfold.serve.models import verdict_file
+
+        try:
+            result = bench_tools(args.model, args.out, quick=args.quick, backend=args.backend, quant=args.quant,
+                                 device=args.device, dtype=args.dtype, verdicts=verdict_file(), progress=progress)
+        except BenchError as error:
+            raise ValueError(str(error)) from error
+        progress(f"wrote {args.out}: {json.dumps(result['summary'])}")
+        return 0 if result["summary"]["ok"] else 1
     if args.bench == "agent":
         from agentfold.bench.agent import bench_agent
         from agentfold.bench.server import BenchError as ServerBenchError
@@ -126,11 +146,19 @@ def run(args: argparse.Namespace) -> int:
     result = bench_decode(args.model, args.out, draft_model=args.draft_model, max_tokens=args.max_tokens,
                           dtype=args.dtype, quick=args.quick, progress=progress, backend=args.backend,
                           quant=args.quant, device=args.device, verdicts=verdict_file(),
-                          quality=not args.no_quality, busy=args.busy, prefill=args.prefill)
+                          quality=not args.no_quality, busy=args.busy, prefill=_token_counts(args.prefill))
     progress(f"wrote {args.out}")
     for name, row in result.get("workloads", {}).items():
         progress(f"{name}: " + ", ".join(f"{k}={v}" for k, v in row.items() if isinstance(v, (int, float, bool))))
     return 0
+
+
+def _token_counts(text: str) -> list[int]:
+    """`--prefill 4096,12288` as [4096, 12288]; a readable error for anything else."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--prefill takes comma-separated numbers of tokens, not {text!r}") from None
 
 
 def _run_lanes(args: argparse.Namespace) -> int:

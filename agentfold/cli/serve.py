@@ -48,7 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--alias", action="append", default=[],
                         help="another name the model answers to in /v1/models (repeatable)")
     parser.add_argument("--max-active", type=int, default=4,
-                        help="replies decoded at once, interleaved pass by pass (default 4); the rest queue")
+                        help="replies decoded at once, sharing one forward pass each round (lanes; default 4); "
+                             "the rest queue")
     parser.add_argument("--default-max-tokens", type=int, default=None,
                         help="reply budget when a request names none (default: the rest of the context)")
     parser.add_argument("--api-key", default=os.environ.get("AGENTFOLD_API_KEY"),

@@ -143,7 +143,8 @@ async def drive(runtime: Runtime, prepared: PreparedTurn,
     except RuntimeError as error:
         raise ApiError(str(error), status=503, type="server_error") from error
     watcher = asyncio.create_task(_watch_disconnect(request, turn))
-    parser = ToolCallParser(prepared.tools_enabled, prepared.prefix, prepared.tools)
+    parser = ToolCallParser(prepared.tools_enabled, prepared.prefix, prepared.tools,
+                            None if prepared.parallel else 1)
     done = False
     try:
         async for event in _events(turn):

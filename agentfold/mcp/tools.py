@@ -90,10 +90,10 @@ class ServiceTools:
         """
         service, runtime = self.service, self.service.runtime
         session_id = _session_id(session_id)
-        ids, cuts = _prompt(service, messages, prompt)
+        ids, (cuts, head) = _prompt(service, messages, prompt)
         config = _config(service, ids, max_tokens, temperature, seed, draft)
         request = TurnRequest(prompt=ids, config=config, api="mcp", client=_client_name(ctx),
-                              session_id=session_id, audit=audit, cuts=tuple(cuts), model=runtime.model_id,
+                              session_id=session_id, audit=audit, cuts=tuple(cuts), head=head, model=runtime.model_id,
                               outcome_follows=True)
 
         async def on_tokens(count: int) -> None:
@@ -319,8 +319,9 @@ def _client_name(ctx: Context) -> str:
     return headers.get("user-agent", "mcp") if headers else "mcp"
 
 
-def _prompt(service: Service, messages: Sequence[ChatMessage] | None, prompt: str | None) -> tuple[list[int], list[int]]:
-    """Prompt ids and prefill cuts for exactly one of `messages` (chat template) or `prompt` (raw text).
+def _prompt(service: Service, messages: Sequence[ChatMessage] | None, prompt: str | None
+            ) -> tuple[list[int], tuple[list[int], int]]:
+    """Prompt ids, prefill cuts and head for exactly one of `messages` (chat template) or `prompt` (raw text).
 
     Cuts follow the HTTP chat path (agentfold.serve.chat_turn.plan_cuts), so a session resumed over
     MCP restores the same snapshots, and gives the same bytes, as one resumed over HTTP.
@@ -332,7 +333,7 @@ def _prompt(service: Service, messages: Sequence[ChatMessage] | None, prompt: st
     if prompt is not None:
         if not prompt:
             raise ToolError("'prompt' is empty; send some text.")
-        return runtime.encode(prompt), []
+        return runtime.encode(prompt), ([], 0)
     assert messages is not None
     if not messages:
         raise ToolError("'messages' is empty; send at least one message.")

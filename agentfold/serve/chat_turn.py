@@ -35,11 +35,13 @@ class PreparedTurn:
     user_stops: list[str]
     prompt_tokens: int
     tools: list[ToolSpec] | None = None  # the declared tools a call in the output must name and fit
+    parallel: bool = True  # several calls in one reply are returned (False: the first only)
 
 
 def plan_cuts(runtime: Runtime, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
-              prompt: Sequence[int]) -> list[int]:
-    """Prefill cuts at each assistant message's start and this reply's, as the chat renders them.
+              prompt: Sequence[int]) -> tuple[list[int], int]:
+    """Prefill cuts at the shared head's end, each assistant message's start and this reply's, as the
+    chat renders them; and the head's end (0 for none).
 
     Prefixes already rendered for an earlier turn of the conversation come from the runtime's memo.
     """
@@ -60,8 +62,9 @@ def _raw_prompt_ids(runtime: Runtime, raw_prompt: str | list[int]) -> list[int]:
     return prompt
 
 
-def _chat_prompt(runtime: Runtime, plan: ChatPlan, tools_enabled: bool) -> tuple[list[int], list[int], list[str]]:
-    """The rendered conversation's ids, its prefill cuts and the stops the tool choice needs."""
+def _chat_prompt(runtime: Runtime, plan: ChatPlan, tools_enabled: bool
+                 ) -> tuple[list[int], tuple[list[int], int], list[str]]:
+    """The rendered conversation's ids, its prefill cuts and head, and the stops the tool choice needs."""
     messages = list(plan.messages)
     note = plan_instructions(plan)  # after the shared history, outside it: the next turn reuses the cache
     try:
@@ -110,9 +113,9 @@ def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
     params = sampling(plan)
     tools_enabled = bool(plan.tools) and plan.tool_choice != "none" and plan.raw_prompt is None
     if plan.raw_prompt is not None:
-        prompt, cuts, internal_stops = _raw_prompt_ids(runtime, plan.raw_prompt), [], []
+        prompt, (cuts, head), internal_stops = _raw_prompt_ids(runtime, plan.raw_prompt), ([], 0), []
     else:
-        prompt, cuts, internal_stops = _chat_prompt(runtime, plan, tools_enabled)
+        prompt, (cuts, head), internal_stops = _chat_prompt(runtime, plan, tools_enabled)
     max_tokens, clamp = _reply_budget(plan, len(prompt), runtime.context_length, default_max_tokens)
     prefix = ""
     config = GenerationConfig(params=params, max_tokens=max_tokens,
@@ -121,10 +124,10 @@ def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
     turn_request = TurnRequest(
         prompt=prompt, config=config, api=api, client=client,
         session_id=plan.session_id, audit=plan.audit, model=plan.model,
-        cuts=cuts, outcome_follows=True, max_tokens_clamped=clamp,
+        cuts=cuts, head=head, outcome_follows=True, max_tokens_clamped=clamp,
     )
     return PreparedTurn(turn_request, tools_enabled, prefix, list(plan.stop), len(prompt),
-                        tools=list(plan.tools) if tools_enabled else None)
+                        tools=list(plan.tools) if tools_enabled else None, parallel=plan.parallel_tool_calls)
 
 
 def _grammar(runtime: Runtime, plan: ChatPlan, tools_enabled: bool) -> str | None:

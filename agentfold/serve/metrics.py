@@ -64,6 +64,8 @@ class Metrics:
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position.", ("position",))
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from a cached prefix.")
+        self.shared_head_hits = counter("prefix_cache_shared_head_hits",
+                                        "Prompt tokens served from a prompt head another conversation left.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.audits = counter("audits", "Exactness audits, by verdict.", ("verdict",))
         for verdict in AUDIT_VERDICTS:  # export zeros, so `rate(...{verdict="failed"})` exists from the start
@@ -90,6 +92,7 @@ class Metrics:
         self.prompt_tokens.inc(record.prompt_tokens)
         self.generation_tokens.inc(record.completion_tokens)
         self.prefix_cache_hits.inc(record.cached_tokens)
+        self.shared_head_hits.inc(record.head_tokens)
         self.prefix_cache_queries.inc(record.prompt_tokens)
         # every pass with drafts proposes one at position 0, so that count is the passes that drafted
         self.num_drafts.inc(record.proposed_per_position[0] if record.proposed_per_position else 0)

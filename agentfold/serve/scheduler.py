@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from agentfold.engine.decode import Engine, Generation, PassRequest, first_mismatch
@@ -66,6 +66,9 @@ class Runtime:
 
     Plug-in points (all called on the worker thread, so they may use the engine freely):
 
+    - `ready(turn)`: whether an admitted turn may start now; False keeps it waiting, asked again
+      every round (a turn whose prompt head another running turn is prefilling waits for that
+      head's snapshot rather than prefilling it too).
     - `before_turn(turn)`: before the generation is created; may set `turn.request.cache`,
       `.cuts` and `.on_prefill` (session restore) and `turn.session`.
     - `after_turn(turn)`: after the reply (and its audit) finished, before the client gets the
@@ -95,6 +98,7 @@ class Runtime:
         self.max_active = max_active
         self.max_queue = max_queue  # turns waiting for a slot beyond this are refused (RuntimeBusy)
         self.context_length = context_length or _context_length(engine)
+        self.ready: Callable[[Turn], bool] | None = None
         self.before_turn: Hook | None = None
         self.after_turn: Hook | None = None
         self.after_cancel: Hook | None = None
@@ -264,6 +268,8 @@ class Runtime:
             if turn._audit_iter is not None:
                 return self._step_audit(turn)
             if turn._iter is None:
+                if self.ready is not None and not self.ready(turn):
+                    return True  # not yet: asked again next round, while the others advance
                 turn.status = "running"
                 if self.before_turn is not None:
                     self.before_turn(turn)

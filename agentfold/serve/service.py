@@ -1,5 +1,8 @@
 """One serving process: runtime + sessions + telemetry + metrics + audits, wired by the runtime's hooks.
 
+- `ready` (worker thread): a new conversation whose prompt head (system prompt and tools) another
+  running turn is prefilling waits until that head's snapshot is stored, then restores it: four
+  Claude Code sessions started at once in one folder prefill their ~11K-token head once.
 - `before_turn` (worker thread): restore the longest usable snapshot of the prompt
   (SessionManager.restore); the engine prefills the rest in chunks the runtime schedules like
   verify passes, and the session layer snapshots the cache where the reply starts.
@@ -34,6 +37,7 @@ from agentfold.serve.telemetry import TelemetryStore, TurnRecord
 from agentfold.serve.turn_log import log_turn
 from agentfold.sessions import SessionManager
 from agentfold.sessions.index import default_home
+from agentfold.sessions.snapshots import tokens_sha
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,8 @@ class Service:
         self.metrics = Metrics()
         self.audit_rate = audit_rate
         self._random = random.Random(0)
+        self._head_owners: dict[str, Turn] = {}  # a prompt head's tokens hash -> the turn prefilling it
+        runtime.ready = self._ready
         runtime.before_turn = self._before_turn
         runtime.after_turn = self._after_turn
         runtime.after_cancel = self._after_cancel
@@ -97,12 +103,26 @@ class Service:
         return TelemetryStore(self._scratch / "telemetry.sqlite")
 
     # -- hooks (worker thread, except after_response) ---------------------------------------------
+    def _ready(self, turn: Turn) -> bool:
+        """False while another live turn is prefilling this turn's prompt head: its snapshot, stored
+        when that prefill passes the head, will be restored here instead of computing it twice."""
+        request = turn.request
+        if self.sessions is None or request.internal or request.cache is not None or not request.head:
+            return True
+        key = tokens_sha(request.prompt[: request.head])
+        owner = self._head_owners.get(key)
+        if owner is not None and owner is not turn and owner.status == "running" and not _past_head(owner):
+            return False
+        self._head_owners = {k: t for k, t in self._head_owners.items() if t.status in ("queued", "running")}
+        self._head_owners[key] = turn
+        return True
+
     def _before_turn(self, turn: Turn) -> None:
         request = turn.request
         if self.sessions is None or request.internal or request.cache is not None:
             return
         try:
-            prepared = self.sessions.restore(request.prompt, request.session_id, request.cuts)
+            prepared = self.sessions.restore(request.prompt, request.session_id, request.cuts, request.head)
         except (OSError, sqlite3.Error) as error:  # disk full / read-only: the reply is the same without it
             log.warning("session store failed (%s): turn %s runs without its session cache", error, turn.id)
             return
@@ -141,6 +161,7 @@ class Service:
             snapshot_id=info.snapshot_id if info else None,
             cache_miss_reason="; ".join(info.miss_reasons) if info and info.miss_reasons else None,
         )
+        record.head_tokens = info.head_tokens if info else 0
         record.audit, record.mismatch_position = turn.audit, turn.mismatch_position
         record.inputs = {**audit.config_inputs(request.prompt, request.config), "reply": list(completion.tokens)}
         turn.record = record
@@ -199,3 +220,9 @@ class Service:
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
+
+def _past_head(turn: Turn) -> bool:
+    """Whether `turn` no longer stands to store its prompt head's snapshot: it restored one, stored
+    one, or runs without a session (nothing to wait for)."""
+    prepared = turn.session
+    return prepared is None or not prepared.head or prepared.head_saved is not None or prepared.cached >= prepared.head

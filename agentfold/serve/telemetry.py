@@ -52,6 +52,7 @@ class TurnRecord:
     # tokens
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    head_tokens: int = 0  # of cached_tokens, those restored from a prompt head shared by conversations
     prefilled_tokens: int = 0
     completion_tokens: int = 0
     tool_calls: int = 0

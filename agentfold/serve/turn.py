@@ -46,6 +46,7 @@ class TurnRequest:
     model: str = ""  # the name the client asked for
     cache: Any = None  # agentfold.engine.mlx.backend.CacheState restored by a session hook, or None
     cuts: tuple[int, ...] = ()
+    head: int = 0  # where the prompt's shared head (leading system messages and tools) ends: a cut too
     on_prefill: Callable[[Any], None] | None = None  # called after each prefill chunk (session snapshots)
     outcome_follows: bool = False  # an API layer calls `after_response` with the parsed outcome
     internal: bool = False  # the server's own turn (an audit replay): no session, no telemetry row

@@ -1,7 +1,7 @@
 """One greppable log line per finished turn, and progress lines during a long prefill.
 
 `agentfold serve` logs at INFO by default, so an operator watching the terminal sees every turn
-(`turn messages session=abc prompt=10234 cached=10011 reply=57 ttft=812ms 23.4 tok/s drafted=40
+(`turn messages session=abc prompt=10234 cached=10011 head=9876 reply=57 ttft=812ms 23.4 tok/s drafted=40
 accepted=31 finish=tool_use`) and, while a long prompt is prefilled, a line every few seconds
 (`prefill session=abc 4096/10234 tokens 310 tok/s`), so a long prefill does not look like a hang.
 The figures are the turn's `TurnRecord`: the same numbers as the response, SQLite and /metrics.
@@ -24,7 +24,7 @@ PREFILL_LOG_SECONDS = 3.0  # a progress line at most this often during one prefi
 def turn_line(record: TurnRecord) -> str:
     """The one-line summary of a finished turn (key=value, no spaces inside a value)."""
     line = (f"turn {record.api} session={record.session_id or '-'} prompt={record.prompt_tokens} "
-            f"cached={record.cached_tokens} reply={record.completion_tokens} ttft={record.ttft_ms:.0f}ms "
+            f"cached={record.cached_tokens} head={record.head_tokens} reply={record.completion_tokens} ttft={record.ttft_ms:.0f}ms "
             f"{record.decode_tps:.1f} tok/s drafted={record.drafted} accepted={record.accepted} "
             f"finish={record.finish_reason}")
     if record.status != "ok":

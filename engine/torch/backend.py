@@ -48,8 +48,13 @@ class TorchBackend:
         elif self.device.type == "cpu":
             self._calibrate_cpu_matmuls()
         # Every kernel of a pass row-exact at any width, prompt rows included: integer linear layers,
-        # the C row-wise ops and the C lane attention (prefill chunks too). The self-check verifies
-        # it (ExactnessReport.prefill_lanes) before prompts share passes with replies.
+        # the C row-wise ops and the C lane attention. The self-check verifies it
+        # (ExactnessReport.prefill_lanes) before prompts share passes with replies. One exception,
+        # fixed by the plan: a prefill chunk of more than PROMPT_PASS_MAX rows (only ever a whole
+        # chunk between two cuts, run by `prefill_steps`) attends on AMX tiles where the CPU has
+        # them (torch_cpu.MATRIX_MIN_ROWS), other bits than its rows one at a time would give; the
+        # prompt pieces that share passes are never that long, and a resumed prompt's chunks are a
+        # fresh one's, so resumed == fresh and lanes == solo still hold.
         self.prefill_rows_exact = (self.device.type == "cpu" and self.quant in ("int8", "blocks")
                                    and torch_cpu.lane_library() is not None and rowwise.library() is not None)
 

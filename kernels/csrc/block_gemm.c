@@ -35,7 +35,25 @@
  * channel instead, each channel's row of blocks read in order with a prefetch PREFETCH_BYTES ahead:
  * one sequential stream per thread, which the hardware prefetchers follow (8 rows of a group read
  * block by block are 8 short streams). The activations are quantized row by row on the pool (a
- * prefill chunk's 512 rows).
+ * prefill chunk's 512 rows; with AVX-512, 16 values a vector by the scalar code's very operations).
+ *
+ * Calls of AMX_MIN_ROWS (20) rows or more (prefill chunks, long verify passes) run on AMX-INT8 tiles
+ * where the CPU has them (Xeon 4th generation on) and Linux grants the tile state ("AMX-INT8: many
+ * rows on tiles" below; block_gemm_amx() says whether it runs, block_gemm_amx_calls() counts the
+ * calls): each sub-block's scale folded into the weights (v = (w - offset) * sc, |v| <= 4096) and
+ * split into a low and a high byte, two tile products (tdpbsud, tdpbssd) give isum = 256 * S_h +
+ * S_l, the very integer of the other paths, and the chains are chain_lanes' on 16 lanes: the same
+ * bits (tests/kernels/test_block_gemm_amx.py: against the VNNI and the portable builds, every type).
+ * Measured on the 2-core Sapphire Rapids VM (other work shared its cores: absolute figures drift by
+ * half, so each call was timed against a build without the tiles in the same process, alternately),
+ * the coder's linears at 512 rows, one thread's CPU time, VNNI -> tiles: q/k/v 2048 x 1536 (Q4_K,
+ * Q4_K, Q6_K) 15.8 -> 6.6 ms (204 -> 487 GOP/s), o 1536 x 1536 Q4_K 11.0 -> 3.1 (219 -> 778),
+ * gate/up 17920 x 1536 Q4_K 147 -> 59 (192 -> 475), down 1536 x 8960 Q4_K 72 -> 24 (196 -> 582),
+ * Q6_K 90 -> 22 (156 -> 638): a layer's linears 245 -> 93 ms (2.6x; two threads, wall clock:
+ * 269 -> 119 ms). 16 rows a tie, 24 rows 1.1-1.6x, 32 rows 1.4-2x. What is left at 512 rows is
+ * mostly the 16-lane chains (one step of float operations per output and block, which the tiles
+ * cannot take; without them the tiles ran a gate call in about a third of its time), then the
+ * quantization of K = 8960 and the chains' round trip through the outputs between K chunks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -115,9 +133,39 @@ static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || ty
 
 /* ---- activations ----------------------------------------------------------------------------- */
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(BLOCK_GEMM_FORCE_PORTABLE)
+#define BG_QUANTIZE512 1
+#else
+#define BG_QUANTIZE512 0
+#endif
+
 /* One row's blocks of `size` values: q = rint(x * (127 / amax)), d = amax / 127 (0 for an all-zero
- * block), and the sums of q per 16 values (sum16). Scalar C on every path: the same bits. */
+ * block), and the sums of q per 16 values (sum16). The same bits on every path: with AVX-512, 16
+ * values a vector by the same IEEE operations (|x| and the maximum are exact, and max(|x|, amax)
+ * keeps amax where |x| is NaN, as the scalar comparison does; x * id one rounding; vrndscaleps to
+ * nearest even is rintf in the default rounding mode; the clamp and the conversion of small integers
+ * are exact), a prefill chunk's 512 rows in a fraction of the scalar loops' time; else scalar C. */
 static void quantize_blocks(const float *x, int64_t k, int64_t size, int8_t *q, float *d, int16_t *sum16) {
+#if BG_QUANTIZE512
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int64_t b = 0; b < k / size; b++) {
+        const float *v = x + b * size;
+        __m512 top = _mm512_setzero_ps();
+        for (int64_t i = 0; i < size; i += 16) top = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(v + i), magnitude), top);
+        float amax = _mm512_reduce_max_ps(top);
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        __m512 scale = _mm512_set1_ps(id);
+        for (int64_t i = 0; i < size; i += 16) {
+            __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), scale),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512i n = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+            _mm_storeu_si128((__m128i *)(q + b * size + i), _mm512_cvtepi32_epi8(n));
+            sum16[(b * size + i) / 16] = (int16_t)_mm512_reduce_add_epi32(n);
+        }
+    }
+#else
     for (int64_t b = 0; b < k / size; b++) {
         const float *v = x + b * size;
         float amax = 0.0f;
@@ -138,6 +186,7 @@ static void quantize_blocks(const float *x, int64_t k, int64_t size, int8_t *q, 
             sum16[b * size / 16 + s] = (int16_t)sum;
         }
     }
+#endif
 }
 
 /* A row's activations in one block size: int8 values [k], scales [k / size], sums per 16 [k / 16]. */
@@ -923,6 +972,470 @@ static void x8_group(const struct job *job, int seg, int64_t g) {
 }
 #endif
 
+/* ---- AMX-INT8: many rows on tiles ---------------------------------------------------------------- */
+
+/* Calls of AMX_MIN_ROWS rows or more (a prefill chunk, a long verify pass) run on AMX-INT8 tiles where
+ * the CPU has them and Linux grants the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, as int8_gemm.c
+ * asks): tdpbssd / tdpbsud add 16 x 16 x 64 products of signed activations (A) and signed / unsigned
+ * weight bytes (B) into int32, exactly (no saturation), ~10x vpdpbusd's multiply-adds per cycle. The
+ * integers and chains are the ones above, so the bits are the VNNI and portable paths' (tested).
+ *
+ * A tile product sums its whole 64-value step, so it cannot scale sub-blocks of 16 or 32 on its own.
+ * The weights of a panel of 16 channels are therefore unpacked once per call (per K chunk, below) from
+ * the repacked x8 blocks into tiles of v = (w - offset) * sc, the sub-block's scale folded into each
+ * weight (exact integers: Q4_K 0..945, Q5_K 0..1953, Q6_K (-32..31) * (-128..127), |v| <= 4096),
+ * split as v = 256 * h + l with l = v & 255 (u8, tdpbsud) and h = v >> 8 (s8, -16..16, tdpbssd).
+ * Two tile products over the block's 256 values give
+ *     isum = sum_i v_i q_i = 256 * S_h + S_l      (integer identity, no rounding anywhere)
+ * with |S_l| <= 256 * 255 * 127 < 2^23, |S_h| <= 256 * 16 * 127 < 2^20 and |isum| <= 256 * 4096 * 127
+ * < 2^27: all within int32, so isum is the very integer the VNNI lanes and the portable loops form
+ * (Q6_K's offset included: they subtract 32 * sum_j sc_j * sum(q over j), the same sum regrouped).
+ * Q4_K / Q5_K's msum (mins <= 63 times sub-block sums of q, |.| <= 4064, 8 of them) is vpdpwssd on
+ * the int16 pairs the VNNI path reads. Twice the multiply-adds of the raw weights, but the tiles'
+ * output per block is the isum the chain wants: no per-sub-block scaling of int32 tiles.
+ * The legacy types (one scale per 32 values) take tiles of 32 values (w - offset as s8, tdpbssd:
+ * Q4_0 -8..7, Q5_0 -16..15, Q4_1 / Q5_1 0..31, Q8_0 as is; |isum| <= 32 * 128 * 127), one C tile a
+ * block, and then each chain step is chain_lanes' on 16 lanes: the same IEEE operations in the same
+ * order (this file is compiled with -ffp-contract=off: no fused multiply-add).
+ *
+ * Order: a call's K is cut into chunks whose activations (rows x chunk, int8) stay in L2 (the call's
+ * outputs hold the chains' accumulators between chunks, which run in order: a chain's block order is
+ * unchanged); per chunk, a pool task is a panel of 16 channels (two x8 groups): its weight tiles are
+ * unpacked into a thread-local buffer (L2), then block by block (the block's tiles stay in L1) over
+ * the rows 32 at a time (C tiles 0..3: rows 0..15 l, h, rows 16..31 l, h; A tiles 4, 5; B 6 (l), 7
+ * (h)). The tiles of one step are issued 4 K steps apart, 8 rows of the previous step's sums chained
+ * on AVX-512 after each (the vector work between the tiles' multiplies), then stored. The
+ * accumulators of a panel's rows live in the buffer; the chunk's last block writes them to the
+ * outputs with streaming stores (a whole 64-byte line: no read for ownership; the outputs of a
+ * chunk, e.g. 512 x 8960 floats, exceed L2, and reading them in cost a third of a gate call). The
+ * activations are quantized straight into the tiles' layout (amx_tile_row: one sequential stream
+ * per panel, which the prefetchers follow; strided rows of the row-major q stalled the tile loads),
+ * their rows padded to a multiple of 32 with zeros (rows past m are computed and never stored). */
+#if BG_VNNI && !defined(BLOCK_GEMM_NO_AMX) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+    defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__linux__)
+#define BG_AMX 1
+#include "amx_tiles.h"
+#else
+#define BG_AMX 0
+#endif
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 20 /* fewer rows run on the VNNI kernels (measured: 16 rows a tie, 24 faster) */
+#endif
+#ifndef AMX_LAG
+#define AMX_LAG 1 /* a step's sums are chained during the next step's tiles (a lag of 2 or 3: no faster) */
+#endif
+#ifndef AMX_CHUNK_BYTES
+#define AMX_CHUNK_BYTES (1 << 20) /* activations (rows x K chunk) a chunk keeps in L2 */
+#endif
+
+static int64_t amx_calls; /* calls that ran on the tiles (block_gemm_amx_calls: the tests' witness) */
+
+#if BG_AMX
+/* K-quants: every tile 16 x 64 bytes. Legacy: A tiles (4, 5) 16 rows x 32 values, B tiles 8 rows
+ * (32 values / 4) x 64 bytes, C tiles 16 x 16 int32. */
+static void amx_configure(int legacy) {
+    amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = legacy && (t == 4 || t == 5) ? 32 : 64;
+        config.rows[t] = legacy && t >= 6 ? 8 : 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* A panel block's unpacked form. K-quants: l tiles [4 steps][16 rows][64], h tiles [4][16][64], the
+ * 16 channels' d and dmin (float), the mins as int16 pairs [4 pairs][16 channels][2]. Legacy: one B
+ * tile [8][64] (s8), d, m. */
+#define AK_L 0
+#define AK_H 4096
+#define AK_D 8192
+#define AK_DM (AK_D + 64)
+#define AK_MN (AK_D + 128)
+#define AK_BYTES (AK_MN + 256)
+#define AL_D 512
+#define AL_DM (AL_D + 64)
+#define AL_BYTES (AL_D + 128)
+
+/* v (32 int16, the scaled weights of one 32-byte half row) split into its low bytes (l) and the low
+ * bytes of v >> 8 (h), each the half row of its tile. */
+static inline void amx_split(__m512i v, uint8_t *l, uint8_t *h) {
+    _mm256_store_si256((__m256i *)l, _mm512_cvtepi16_epi8(v));
+    _mm256_store_si256((__m256i *)h, _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+}
+
+/* Each channel's sub-block `half` scale (a pair's [8 channels][2] bytes as int16 in s16) on the 4
+ * int16 of its 32-bit lane: word e takes word 2 * (e / 4) + half. */
+static inline __m512i amx_lane_scales(__m256i s16, int half) {
+    static const int16_t index[2][32] __attribute__((aligned(64))) = {
+        {0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6, 8, 8, 8, 8, 10, 10, 10, 10, 12, 12, 12, 12, 14, 14, 14, 14},
+        {1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7, 9, 9, 9, 9, 11, 11, 11, 11, 13, 13, 13, 13, 15, 15, 15, 15}};
+    return _mm512_permutexvar_epi16(_mm512_load_si512((const void *)index[half]), _mm512_castsi256_si512(s16));
+}
+
+/* One x8 K-quant block (8 channels) into half `side` (bytes 32 * side ..) of the panel block `o`. */
+static void amx_unpack_k(int type, const uint8_t *blk, int side, uint8_t *o) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (type == T_Q6_K_X8) {
+        const __m512i offset = _mm512_set1_epi16(32);
+        for (int p = 0; p < 8; p++) { /* pair p: values 32p .. 32p + 31, B rows 8p .. 8p + 7 */
+            const uint8_t *ql = blk + 144 + 128 * p, *qh = blk + 1168 + 64 * p;
+            __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16 + 16 * p)));
+            __m512i sc[2] = {amx_lane_scales(s16, 0), amx_lane_scales(s16, 1)};
+            __m256i top[2] = {_mm256_loadu_si256((const __m256i *)qh), _mm256_loadu_si256((const __m256i *)(qh + 32))};
+            for (int t = 0; t < 4; t++) {
+                __m256i packed = _mm256_loadu_si256((const __m256i *)(ql + 32 * t));
+                for (int half = 0; half < 2; half++) { /* group 4 * half + t: sub-block 2p + half */
+                    __m256i w = _mm256_or_si256(_mm256_and_si256(half ? _mm256_srli_epi16(packed, 4) : packed, low4),
+                                                q6_top(top[half], t));
+                    __m512i v = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(w), offset), sc[half]);
+                    int row = 8 * p + 4 * half + t;
+                    amx_split(v, o + AK_L + 64 * row + 32 * side, o + AK_H + 64 * row + 32 * side);
+                }
+            }
+        }
+        _mm256_store_ps((float *)(o + AK_D) + 8 * side, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
+        return;
+    }
+    const int five = type == T_Q5_K_X8;
+    for (int p = 0; p < 4; p++) { /* pair p: values 64p .. 64p + 63, the tile of step p */
+        const uint8_t *qs = blk + 160 + 256 * p;
+        __m256i s16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * p)));
+        __m512i sc[2] = {amx_lane_scales(s16, 0), amx_lane_scales(s16, 1)};
+        __m256i fifths[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        if (five)
+            for (int half = 0; half < 2; half++)
+                fifths[half] = _mm256_loadu_si256((const __m256i *)(blk + Q4X8_BYTES + 64 * p + 32 * half));
+        for (int v = 0; v < 8; v++) {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * v));
+            for (int half = 0; half < 2; half++) { /* sub-block 2p + half, values 4v .. 4v + 3: row 8 half + v */
+                __m256i w = _mm256_and_si256(half ? _mm256_srli_epi16(packed, 4) : packed, low4);
+                if (five) w = _mm256_or_si256(w, q5_fifth(fifths[half], v));
+                __m512i prod = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(w), sc[half]);
+                int row = 16 * p + 8 * half + v;
+                amx_split(prod, o + AK_L + 64 * row + 32 * side, o + AK_H + 64 * row + 32 * side);
+            }
+        }
+        _mm256_store_si256((__m256i *)(o + AK_MN + 64 * p + 32 * side),
+                           _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 96 + 16 * p))));
+    }
+    _mm256_store_ps((float *)(o + AK_D) + 8 * side, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
+    _mm256_store_ps((float *)(o + AK_DM) + 8 * side, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))));
+}
+
+/* One x8 legacy block (8 channels, 32 values) into half `side` of the panel block `o`: B row t holds
+ * values 4t .. 4t + 3 as w - offset (s8). */
+static void amx_unpack_legacy(int type, const uint8_t *blk, int side, uint8_t *o) {
+    const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i offset = _mm256_set1_epi8((char)(type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0));
+    const uint8_t *qs = blk + (with_min ? 32 : 16);
+    __m256i fifths = five ? _mm256_loadu_si256((const __m256i *)(qs + 128)) : _mm256_setzero_si256();
+    for (int t = 0; t < 8; t++) {
+        __m256i w;
+        if (type == T_Q8_0) {
+            w = _mm256_loadu_si256((const __m256i *)(qs + 32 * t));
+        } else {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * (t & 3)));
+            w = _mm256_and_si256(t < 4 ? packed : _mm256_srli_epi16(packed, 4), low4);
+            if (five) w = _mm256_or_si256(w, q5_fifth(fifths, t));
+            w = _mm256_sub_epi8(w, offset);
+        }
+        _mm256_store_si256((__m256i *)(o + 64 * t + 32 * side), w);
+    }
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    _mm256_store_ps((float *)(o + AL_D) + 8 * side, d);
+    _mm256_store_ps((float *)(o + AL_DM) + 8 * side,
+                    with_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d);
+}
+
+/* One call on the tiles: the main job, the chunk of blocks being run, the panels. */
+struct amx_job {
+    const struct job *job;
+    int64_t k0, kc;            /* the chunk: values k0 .. k0 + kc */
+    const int64_t *panel_start; /* first global panel of each segment */
+    const int8_t *t32, *t256;  /* the rows' activations in tiles (amx_tile_row), rows padded to 32 */
+    /* what the chains read per row, block-major ([block][padded rows]: a step's 32 rows side by side,
+     * where the rows' own arrays put each row's values a row apart, a cache line or more each) */
+    const float *dx32, *dx256;  /* activation scales */
+    const int32_t *pairs, *qsum; /* Q4_K / Q5_K: the rows' 4 pair sums; Q4_1 / Q5_1: sum(q) per block */
+    int64_t padded;
+};
+
+/* A thread's buffer for a panel's unpacked blocks (kept: the pool's threads live on). */
+static __thread uint8_t *amx_buffer;
+static __thread size_t amx_capacity;
+
+static uint8_t *amx_scratch(size_t bytes) {
+    if (bytes > amx_capacity) {
+        free(amx_buffer);
+        amx_capacity = (bytes + 4095) / 4096 * 4096;
+        amx_buffer = aligned_alloc(4096, amx_capacity);
+        if (!amx_buffer) abort();
+    }
+    return amx_buffer;
+}
+
+/* One chain step (one block) of rows [r0, r0 + rows) of a panel, rows <= 16 of one C tile pair:
+ * its sums `s` (and, for the K-quants, `sh`: isum = 256 * sh + s) into the rows' 16 accumulators
+ * (acc, [row][16]), chain_lanes' operations on 16 lanes. */
+struct amx_chain {
+    int with_min;
+    const float *d, *dm;
+    const int16_t *mins; /* Q4_K / Q5_K: [4 pairs][16][2] of the block, else NULL */
+    const float *dx;      /* the block's activation scales, row r's at dx[r] */
+    const int32_t *pairs; /* Q4_K / Q5_K: the block's pair sums, row r's at pairs[4 r ..] */
+    const int32_t *qsum;  /* Q4_1 / Q5_1: the block's sums of q, row r's at qsum[r] */
+    float *out; /* the chunk's last block: the chains go to out (row r at out + r * ldo, + bias) */
+    int64_t ldo;
+    __mmask16 mask;
+    const float *bias; /* the call's last block: the panel's biases, or NULL */
+    int final;
+};
+
+static inline __attribute__((always_inline)) void amx_chain_rows(const struct amx_chain *c, int64_t r0,
+                                                                 int rows, const int32_t *s, const int32_t *sh,
+                                                                 float *acc) {
+    const __m512 d = _mm512_load_ps(c->d), dm = _mm512_load_ps(c->dm);
+    __m512i mins[4];
+    if (c->mins)
+        for (int p = 0; p < 4; p++) mins[p] = _mm512_load_si512((const void *)(c->mins + 32 * p));
+    for (int i = 0; i < rows; i++) {
+        int64_t r = r0 + i;
+        __m512i isum = _mm512_load_si512((const void *)(s + 16 * i));
+        if (sh) isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void *)(sh + 16 * i)), 8), isum);
+        __m512 x = _mm512_set1_ps(c->dx[r]);
+        __m512 sum = _mm512_add_ps(_mm512_load_ps(acc + 16 * i), _mm512_mul_ps(_mm512_mul_ps(x, d), _mm512_cvtepi32_ps(isum)));
+        if (c->mins) { /* Q4_K / Q5_K: - (dx * dmin) * msum */
+            const int32_t *pairs = c->pairs + 4 * r;
+            __m512i msum = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++) msum = _mm512_dpwssd_epi32(msum, mins[p], _mm512_set1_epi32(pairs[p]));
+            sum = _mm512_sub_ps(sum, _mm512_mul_ps(_mm512_mul_ps(x, dm), _mm512_cvtepi32_ps(msum)));
+        } else if (c->with_min) { /* Q4_1 / Q5_1: + (dx * m) * sum(q) */
+            __m512i qsum = _mm512_set1_epi32(c->qsum[r]);
+            sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_mul_ps(x, dm), _mm512_cvtepi32_ps(qsum)));
+        }
+        if (!c->final) {
+            _mm512_store_ps(acc + 16 * i, sum);
+            continue;
+        }
+        if (c->bias) sum = _mm512_add_ps(sum, _mm512_load_ps(c->bias));
+        float *y = c->out + r * c->ldo;
+        if (c->mask == 0xFFFF && !((uintptr_t)y & 63))
+            _mm512_stream_ps(y, sum); /* a whole line: no read for ownership (the outputs exceed L2) */
+        else
+            _mm512_mask_storeu_ps(y, c->mask, sum);
+    }
+}
+
+/* The tiles of K step s (of 4) of a K-quant block (unpacked at o), rows r0 .. r0 + 31 of the
+ * activations at aq (two A tiles when `two`): C 0, 1 (rows 0..15: l, h), 2, 3 (rows 16..31). */
+#define AMX_K_STEP(s, two)                                                                                    \
+    do {                                                                                                      \
+        _tile_loadd(4, aq + 1024 * (s), 64);                                                                  \
+        _tile_loadd(6, o + AK_L + 1024 * (s), 64);                                                            \
+        _tile_loadd(7, o + AK_H + 1024 * (s), 64);                                                            \
+        _tile_dpbsud(0, 4, 6);                                                                                \
+        _tile_dpbssd(1, 4, 7);                                                                                \
+        if (two) {                                                                                            \
+            _tile_loadd(5, aq + 4096 + 1024 * (s), 64);                                                       \
+            _tile_dpbsud(2, 5, 6);                                                                            \
+            _tile_dpbssd(3, 5, 7);                                                                            \
+        }                                                                                                     \
+    } while (0)
+
+/* Panel t (global) of the chunk: unpack its blocks, then every (block, 32 rows) step. */
+static void amx_task(void *context, int64_t t) {
+    const struct amx_job *aj = context;
+    const struct job *job = aj->job;
+    int seg = 0;
+    while (seg + 1 < job->nseg && t >= aj->panel_start[seg + 1]) seg++;
+    int64_t panel = t - aj->panel_start[seg], k = job->k, m = job->m;
+    int type = job->types[seg], base = x8_base(type), legacy = is_legacy(base);
+    int64_t values = x8_values(type), nb = k / values, b0 = aj->k0 / values, nbc = aj->kc / values;
+    int64_t groups = (job->ns[seg] + GROUP - 1) / GROUP, first = panel * 16, col = job->starts[seg] + first;
+    int channels = (int)(job->ns[seg] - first < 16 ? job->ns[seg] - first : 16);
+    int64_t bytes = x8_bytes(type), unpacked = legacy ? AL_BYTES : AK_BYTES;
+    int64_t pairs = (m + 31) / 32, steps = nbc * pairs;
+    uint8_t *buf = amx_scratch((size_t)(nbc * unpacked + (AMX_LAG + 1) * 1024 * 4 + pairs * 32 * 64));
+    int32_t *sums = (int32_t *)(buf + nbc * unpacked); /* AMX_LAG + 1 sets of 4 C tiles [16][16] */
+    float *acc = (float *)(buf + nbc * unpacked + (AMX_LAG + 1) * 1024 * 4); /* [rows][16] accumulators */
+    for (int side = 0; side < 2; side++) {
+        int64_t g = 2 * panel + side;
+        for (int64_t b = 0; b < nbc; b++) {
+            uint8_t *o = buf + b * unpacked;
+            if (g >= groups) { /* a panel of one group: zero weights and scales, never stored */
+                for (int64_t row = 0; row < (legacy ? 8 : 128); row++) memset(o + 64 * row + 32 * side, 0, 32);
+                memset(o + (legacy ? AL_D : AK_D) + 32 * side, 0, 32);
+                memset(o + (legacy ? AL_DM : AK_DM) + 32 * side, 0, 32);
+                if (!legacy)
+                    for (int p = 0; p < 4; p++) memset(o + AK_MN + 64 * p + 32 * side, 0, 32);
+                continue;
+            }
+            const uint8_t *blk = job->data[seg] + (g * nb + b0 + b) * bytes;
+            if (legacy) amx_unpack_legacy(base, blk, side, o);
+            else amx_unpack_k(type, blk, side, o);
+        }
+    }
+    const __mmask16 mask = (__mmask16)((1u << channels) - 1u);
+    float *out = job->out + col;
+    for (int64_t r = 0; r < m; r++) /* the chains so far: 0, or where the last chunk left them */
+        _mm512_store_ps(acc + 16 * r, b0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, out + r * job->ldo));
+    int last = b0 + nbc == nb;
+    float bias[16] __attribute__((aligned(64)));
+    memset(bias, 0, sizeof bias);
+    if (last && job->bias) memcpy(bias, job->bias + col, sizeof(float) * (size_t)channels);
+    struct amx_chain chain = {base == T_Q4_1 || base == T_Q5_1, NULL, NULL, NULL, NULL, NULL, NULL,
+                              out, job->ldo, mask, last && job->bias ? bias : NULL, 0};
+    const int8_t *q = legacy ? aj->t32 : aj->t256;
+    const int64_t row_tiles = pairs * 2;
+    amx_configure(legacy);
+    /* step i: block b0 + i / pairs, rows 32 * (i % pairs) ..; step i - 1's sums are chained, 8 rows
+     * after each of step i's 4 tile steps (the vector work in between the tiles' multiplies) */
+    for (int64_t i = 0; i < steps + AMX_LAG; i++) {
+        int64_t r0 = 32 * (i % pairs), pb = (i - AMX_LAG) / pairs, pr0 = 32 * ((i - AMX_LAG) % pairs);
+        int two = m - r0 > 16, prows = i >= AMX_LAG ? (m - pr0 < 32 ? (int)(m - pr0) : 32) : 0;
+        const uint8_t *o = buf + (i / pairs) * unpacked, *po = buf + pb * unpacked;
+        const int8_t *aq = q + ((b0 + i / pairs) * row_tiles + r0 / 16) * (legacy ? 512 : 4096);
+        int32_t *ps = sums + ((i - AMX_LAG) % (AMX_LAG + 1)) * 1024;
+        if (i >= AMX_LAG) {
+            chain.d = (const float *)(po + (legacy ? AL_D : AK_D)), chain.dm = (const float *)(po + (legacy ? AL_DM : AK_DM));
+            chain.mins = base == T_Q4_K || base == T_Q5_K ? (const int16_t *)(po + AK_MN) : NULL;
+            chain.final = pb == nbc - 1; /* (the chunk's last block: straight into out) */
+            chain.dx = (legacy ? aj->dx32 : aj->dx256) + (b0 + pb) * aj->padded;
+            chain.pairs = aj->pairs ? aj->pairs + (b0 + pb) * aj->padded * 4 : NULL;
+            chain.qsum = aj->qsum ? aj->qsum + (b0 + pb) * aj->padded : NULL;
+        }
+        if (legacy) {
+            if (i < steps) {
+                _tile_zero(0);
+                _tile_loadd(6, o, 64);
+                _tile_loadd(4, aq, 32);
+                _tile_dpbssd(0, 4, 6);
+                if (two) {
+                    _tile_zero(2);
+                    _tile_loadd(5, aq + 512, 32);
+                    _tile_dpbssd(2, 5, 6);
+                }
+            }
+            if (i >= AMX_LAG) {
+                amx_chain_rows(&chain, pr0, prows < 16 ? prows : 16, ps, NULL, acc + 16 * pr0);
+                if (prows > 16) amx_chain_rows(&chain, pr0 + 16, prows - 16, ps + 512, NULL, acc + 16 * (pr0 + 16));
+            }
+        } else {
+            if (i < steps) {
+                _tile_zero(0);
+                _tile_zero(1);
+                if (two) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+            }
+            for (int s = 0; s < 4; s++) {
+                if (i < steps) {
+                    if (two) AMX_K_STEP(s, 1); else AMX_K_STEP(s, 0);
+                }
+                int lo = 8 * s, hi = 8 * s + 8 < prows ? 8 * s + 8 : prows; /* rows lo .. hi of step i - 1 */
+                if (lo < hi) {
+                    int tile = lo / 16, at = lo % 16;
+                    amx_chain_rows(&chain, pr0 + lo, hi - lo, ps + 512 * tile + 16 * at,
+                                   ps + 512 * tile + 256 + 16 * at, acc + 16 * (pr0 + lo));
+                }
+            }
+        }
+        if (i < steps) {
+            int32_t *s = sums + (i % (AMX_LAG + 1)) * 1024;
+            _tile_stored(0, s, 64);
+            if (!legacy) _tile_stored(1, s + 256, 64);
+            if (two) {
+                _tile_stored(2, s + 512, 64);
+                if (!legacy) _tile_stored(3, s + 768, 64);
+            }
+        }
+    }
+    _tile_release();
+    _mm_sfence(); /* the streamed outputs ordered before the pool hands the call back */
+}
+
+/* Row r of a call's activations q (k values) into the tiles' layout t, where the tiles of block b
+ * (values `size`: 256, or 32 for the legacy types) lie in order of row tile (16 rows), then K step
+ * (64 values; the legacy types' one of 32), each tile's 16 rows of 64 (32) bytes: a panel's steps read
+ * them block by block, row tile after row tile, one sequential stream. row_tiles: the padded rows / 16. */
+static void amx_tile_row(const int8_t *q, int64_t k, int64_t r, int64_t size, int64_t row_tiles, int8_t *t) {
+    int64_t step = size == QK ? 64 : 32, tile = 16 * step, per = size / step;
+    for (int64_t b = 0; b < k / size; b++)
+        for (int64_t s = 0; s < per; s++)
+            memcpy(t + ((b * row_tiles + r / 16) * per + s) * tile + (r % 16) * step, q + b * size + s * step, (size_t)step);
+}
+
+/* Whether a call runs on the tiles: enough rows, every segment repacked, the tiles granted. */
+static int amx_runs(int64_t m, int nseg, const int *types) {
+    if (m < AMX_MIN_ROWS) return 0;
+    for (int s = 0; s < nseg; s++)
+        if (!is_x8(types[s])) return 0;
+    return amx_usable();
+}
+
+/* The call on the tiles: K in chunks (in order), each chunk's panels on the pool. */
+static void amx_run(const struct job *job, const int8_t *t32, const int8_t *t256, int threads) {
+    int64_t *panel_start = malloc(sizeof(int64_t) * (size_t)(job->nseg + 1)), panels = 0;
+    if (!panel_start) abort();
+    int64_t unit = Q32;
+    for (int s = 0; s < job->nseg; s++) {
+        panel_start[s] = panels;
+        panels += (job->ns[s] + 15) / 16;
+        if (is_k(x8_base(job->types[s]))) unit = QK;
+    }
+    int64_t padded = (job->m + 31) / 32 * 32, units = job->k / unit, m = job->m, k = job->k;
+    int legacy = 0, mins = 0, with_min = 0;
+    for (int s = 0; s < job->nseg; s++) {
+        int base = x8_base(job->types[s]);
+        legacy |= is_legacy(base), mins |= base == T_Q4_K || base == T_Q5_K, with_min |= base == T_Q4_1 || base == T_Q5_1;
+    }
+    int64_t n32 = legacy ? k / Q32 * padded : 0, n256 = unit == QK ? k / QK * padded : 0;
+    float *dx = calloc((size_t)(n32 + n256 + 1), sizeof(float));
+    int32_t *pairs = mins ? calloc((size_t)(4 * n256), sizeof(int32_t)) : NULL;
+    int32_t *qsum = with_min ? calloc((size_t)n32, sizeof(int32_t)) : NULL;
+    if (!dx || (mins && !pairs) || (with_min && !qsum)) abort();
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < n32 / padded; b++) {
+            dx[b * padded + r] = job->a32[r].d[b];
+            if (qsum) qsum[b * padded + r] = job->a32[r].s16[2 * b] + job->a32[r].s16[2 * b + 1];
+        }
+        for (int64_t b = 0; b < n256 / padded; b++) {
+            dx[n32 + b * padded + r] = job->a256[r].d[b];
+            if (pairs) memcpy(pairs + (b * padded + r) * 4, job->x4[r].pairs + 4 * b, 4 * sizeof(int32_t));
+        }
+    }
+    int64_t per = AMX_CHUNK_BYTES / (padded * unit) > 0 ? AMX_CHUNK_BYTES / (padded * unit) : 1;
+    int64_t chunks = (units + per - 1) / per;
+    per = (units + chunks - 1) / chunks; /* chunks of (nearly) equal size */
+    for (int64_t u = 0; u < units; u += per) {
+        struct amx_job aj = {job, u * unit, (units - u < per ? units - u : per) * unit, panel_start, t32, t256,
+                             dx, dx + n32, pairs, qsum, padded};
+        pool_for(threads, panels, amx_task, &aj);
+    }
+    free(panel_start), free(dx), free(pairs), free(qsum);
+    __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
+}
+#endif
+
+/* 1 where this build has the AMX path and this process may use the tiles (a call of AMX_MIN_ROWS rows
+ * or more of repacked weights runs there), else 0. */
+int block_gemm_amx(void) {
+#if BG_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* How many calls ran on the tiles so far (in this process). */
+int64_t block_gemm_amx_calls(void) { return __atomic_load_n(&amx_calls, __ATOMIC_RELAXED); }
+
+/* The fewest rows a call runs on the tiles with. */
+int block_gemm_amx_min_rows(void) { return AMX_MIN_ROWS; }
+
 static void run_group(const struct job *job, int seg, int64_t g, float *acc, struct unpacked *u) {
     int type = job->types[seg];
 #if BG_X8
@@ -1025,11 +1538,29 @@ struct quantize_job {
     int need32, need256, need_x4, need_x6;
     const struct acts *a;
     const struct x8acts *xa;
+    int8_t *t32, *t256; /* the activations in the tiles' layout (AMX), or NULL */
+    int64_t row_tiles;
 };
 
 static void quantize_task(void *context, int64_t r) {
     const struct quantize_job *job = context;
     const struct acts *a32 = &job->a[r], *a256 = &job->a[job->m + r];
+#if BG_AMX
+    if (job->t32 || job->t256) { /* on the tiles: q only in the tiles' layout (through a row's buffer) */
+        int8_t *row = (int8_t *)amx_scratch((size_t)job->k);
+        if (job->need32) {
+            quantize_blocks(job->x + r * job->ldx, job->k, 32, row, (float *)a32->d, (int16_t *)a32->s16);
+            amx_tile_row(row, job->k, r, Q32, job->row_tiles, job->t32);
+        }
+        if (job->need256) {
+            quantize_blocks(job->x + r * job->ldx, job->k, 256, row, (float *)a256->d, (int16_t *)a256->s16);
+            amx_tile_row(row, job->k, r, QK, job->row_tiles, job->t256);
+            if (job->need_x4) x8_order(row, a256->s16, job->k, 32, NULL, (int32_t *)job->xa[r].pairs);
+            if (job->need_x6) x8_order(row, a256->s16, job->k, 16, NULL, (int32_t *)job->xa[job->m + r].pairs);
+        }
+        return;
+    }
+#endif
     if (job->need32) quantize_blocks(job->x + r * job->ldx, job->k, 32, (int8_t *)a32->q, (float *)a32->d, (int16_t *)a32->s16);
     if (!job->need256) return;
     quantize_blocks(job->x + r * job->ldx, job->k, 256, (int8_t *)a256->q, (float *)a256->d, (int16_t *)a256->s16);
@@ -1056,7 +1587,12 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
         if (is_k(types[s])) need256 = 1;
         else need32 = 1;
     }
-    int8_t *q = malloc((size_t)(m * k * 2) + 1);
+#if BG_AMX
+    int amx = amx_runs(m, nseg, types);
+#else
+    int amx = 0;
+#endif
+    int8_t *q = malloc(amx ? 1 : (size_t)(m * k * 2) + 1); /* (on the tiles: their layout alone, below) */
     float *d = malloc(sizeof(float) * (size_t)(m * (k / 32 + k / 256) + 1));
     int16_t *s16 = malloc(sizeof(int16_t) * (size_t)(m * (k / 16) * 2 + 1));
     struct acts *a = malloc(sizeof(struct acts) * (size_t)(2 * m));
@@ -1065,6 +1601,15 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
         free(q), free(d), free(s16), free(a), free(starts);
         return -2;
     }
+    /* on the tiles: the activations in their layout too, the rows padded to 32 (with zeros: the padding
+     * rows' sums are computed and never stored) */
+    int64_t padded = (m + 31) / 32 * 32;
+    int8_t *tiled = amx ? aligned_alloc(64, (size_t)(padded * k * 2)) : NULL;
+    if (amx && !tiled) {
+        free(q), free(d), free(s16), free(a), free(starts);
+        return -2;
+    }
+    int8_t *t32 = amx && need32 ? tiled : NULL, *t256 = amx && need256 ? tiled + padded * k : NULL;
     /* the repacked types' order of the same q (and their pair sums) */
     int need_x8 = need_x4 || need_x6;
     int reorder = need_x8 && !BG_VNNI; /* (VNNI reads q in its own order: no reordered copy) */
@@ -1072,7 +1617,7 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
     int32_t *xp = need_x8 ? malloc(sizeof(int32_t) * (size_t)(m * (k / 64 + k / 32))) : NULL;
     struct x8acts *xa = need_x8 ? malloc(sizeof(struct x8acts) * (size_t)(2 * m)) : NULL;
     if (need_x8 && ((reorder && !xq) || !xp || !xa)) {
-        free(q), free(d), free(s16), free(a), free(starts), free(xq), free(xp), free(xa);
+        free(q), free(d), free(s16), free(a), free(starts), free(xq), free(xp), free(xa), free(tiled);
         return -2;
     }
     for (int64_t r = 0; r < m; r++) {
@@ -1084,8 +1629,19 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
                                         a[m + r].d};
         }
     }
-    struct quantize_job quantize = {x, k, ldx, m, need32, need256, need_x4, need_x6, a, xa};
+    struct quantize_job quantize = {x, k, ldx, m, need32, need256, need_x4, need_x6, a, xa, t32, t256, padded / 16};
     pool_for(m >= 8 ? threads : 1, m, quantize_task, &quantize); /* a few rows: not worth a hand-off */
+#if BG_AMX
+    if (amx && padded > m) {
+        int8_t *zeros = calloc((size_t)k, 1);
+        if (!zeros) abort();
+        for (int64_t r = m; r < padded; r++) {
+            if (t32) amx_tile_row(zeros, k, r, Q32, padded / 16, t32);
+            if (t256) amx_tile_row(zeros, k, r, QK, padded / 16, t256);
+        }
+        free(zeros);
+    }
+#endif
     int64_t *group_start = starts + nseg, col = 0, groups = 0;
     for (int s = 0; s < nseg; s++) {
         starts[s] = col, group_start[s] = groups;
@@ -1094,7 +1650,11 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
     int64_t per_task = groups / (threads * 8) > 0 ? groups / (threads * 8) : 1;
     struct job job = {m, k, a, a + m, xa, xa ? xa + m : NULL, nseg, data, types, ns, starts, bias, out, ldo,
                       per_task, groups, group_start};
-    pool_for(threads, (groups + per_task - 1) / per_task, run_task, &job);
-    free(q), free(d), free(s16), free(a), free(starts), free(xq), free(xp), free(xa);
+#if BG_AMX
+    if (amx) amx_run(&job, t32, t256, threads);
+    else
+#endif
+        pool_for(threads, (groups + per_task - 1) / per_task, run_task, &job);
+    free(q), free(d), free(s16), free(a), free(starts), free(xq), free(xp), free(xa), free(tiled);
     return 0;
 }

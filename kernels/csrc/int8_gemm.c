@@ -68,29 +68,13 @@
 
 #if ISA == 2 && ISA_CAP >= 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define AMX 1
-#include <pthread.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #else
 #define AMX 0
 #endif
 
 #define BLOCK 16 /* output channels per packed block */
 #define GROUP 4  /* k per group */
-
-#if AMX
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-static int amx_granted;
-static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
-static void amx_request(void) { amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
-
-/* Whether this process may use the tiles (asked once; a kernel without AMX support refuses). */
-static int amx_usable(void) {
-    pthread_once(&amx_once, amx_request);
-    return amx_granted;
-}
-#endif
 
 /* Which path runs: 3 AMX-INT8 (with AVX-512 VNNI for few rows), 2 AVX-512 VNNI, 1 AVX2 (vpmaddwd),
  * 0 portable C. */
@@ -374,14 +358,8 @@ static void run_blocks(const uint8_t *au, int64_t m, int64_t kp, const int8_t *p
 #define AMX_K 64         /* k per tile step */
 #define AMX_MIN_ROWS 12  /* fewer rows (int8 halves) go to the VNNI tiles: memory-bound either way */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} tile_config;
-
 static void amx_configure(void) {
-    tile_config config;
+    amx_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int t = 0; t < 8; t++) {

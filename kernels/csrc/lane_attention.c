@@ -23,6 +23,10 @@
  * also store the pass's own new keys and values into each lane's cache first (rounded to nearest
  * even when the cache is float16, as torch's conversion does), inside the task that then reads
  * them: one call per layer for every lane, with no per-lane work left to the caller.
+ *
+ * Long prefill chunks (`lane_attention_prefill`, lanes the caller names by their row count) run on
+ * the AMX-BF16 tiles instead where the CPU has them: at the end of this file, with why each row
+ * is still its own and why only the prefill plan may choose it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -820,6 +824,51 @@ static void attend_task(const float *q, int64_t q_stride, int64_t group, float *
     }
 }
 
+/* ---- Prefill chunks on the matrix tiles (AMX-BF16) ----
+ *
+ * A lane of a prefill chunk with many rows (`matrix_rows`, set by the caller only for prompt chunks
+ * cut at the prefill plan's boundaries) attends on the tiles where the CPU has AMX-BF16 and the
+ * process may use them: the scores Q K^T and the weighted sums P V as tile products (tdpbf16ps:
+ * products of bfloat16 pairs summed into float32), the softmax on vectors (vexp16, as above), keys
+ * by blocks of MK with a running maximum and sum per query (the online softmax). Decode and verify
+ * rows, short chunks and every lane of a call without `matrix_rows` keep the vector path above.
+ * (512 rows of the coder's heads over 4K-12K keys on a 2-core Sapphire Rapids: ~2.5x less CPU time
+ * than the vector path; about half of it is the tile products, most of the rest the softmax's
+ * exponentials, which the tile products hold up rather than overlap.)
+ *
+ * Accuracy: each float32 operand x goes to the tiles as x = hi + lo, hi = x rounded to 8
+ * significant bits and lo = bf16(x - hi) (`split`; a float16 cache's values split exactly), and
+ * the scores as q_lo k_hi + q_hi k_hi + q_hi k_lo + q_lo k_lo, the weighted sums as
+ * p_lo v_hi + p_hi v_hi + p_hi v_lo (TILE_PRODUCTS), each summed in float32. Against float64 on
+ * the coder's own queries and float16 caches (512 rows over 2K keys, layers 0, 1, 13, 27) the
+ * outputs' RMS error is 0.6-4x the vector path's (relative to the outputs' RMS: 2e-6 .. 7e-6),
+ * their largest 0.7-7x (relative to the largest output: at most 5e-5); without the scores'
+ * lo x lo term the RMS error was 6-10x the vector path's on layers 0, 1 and 13 (sharp
+ * attention), while the sums' lo x lo term would cut it by ~5% for 1/7 more tile work. The
+ * splits leave a floor of ~2^-18 whatever the context (over a few hundred keys the vector path is
+ * ~10x closer); either way far below what storing the next layer's keys and values in float16
+ * rounds (2^-11).
+ *
+ * Exactness: a query's output still depends on its own query, keys and values alone. A tile
+ * product computes each output element from its own A row and B column (the other rows of a tile
+ * change none of its bits); the blocks of keys lie at absolute multiples of MK; a query takes part
+ * in a block's softmax update only where it sees one of the block's keys (others leave its
+ * maximum, sum and output untouched), and the keys of a block it does not see get weight exactly
+ * 0, whose products add exact zeros to its float32 sums (which start at +0, so never -0); value
+ * rows past the lane's last written key are zeros, not whatever the cache holds there (0 x NaN).
+ * So which rows share a tile, where the chunk starts, the other lanes, the thread count and which
+ * thread runs a task change no bit. (One caveat: a value that is not finite (an inf in a float16
+ * cache) reaches the rows of its tiles before its position as 0 x inf; the row at its position,
+ * and every later one, is not finite either way.) The bits differ from the vector path's, so
+ * which path a row takes must be fixed by the plan: see kernels/torch_cpu.py, MATRIX_MIN_ROWS. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__) && defined(__linux__) && !defined(LANE_ATTENTION_NO_MATRIX)
+#define MATRIX 1
+#include "amx_tiles.h"
+#else
+#define MATRIX 0
+#endif
+
 struct attention_job {
     const float *q;
     float *out;
@@ -829,21 +878,468 @@ struct attention_job {
     int64_t window, half;
     const float *new_keys, *new_values;
     int64_t k_stride, v_stride, blocked;
+    int64_t matrix_rows; /* lanes with at least this many rows go to the tiles (0: none) */
 };
 
-/* Task t: lane t / kv_heads, kv head t % kv_heads. */
+static inline int on_matrix(const struct attention_job *job, int64_t l) {
+    return job->matrix_rows > 0 && job->rows[l] >= job->matrix_rows;
+}
+
+/* A task's lane l, kv head kv: its query rows, output rows, caches and new rows. */
+struct lane_view {
+    const float *q, *new_keys, *new_values;
+    float *out;
+    void *keys, *values;
+};
+
+static struct lane_view view_of(const struct attention_job *job, int64_t l, int64_t kv) {
+    int64_t heads = job->heads, d = job->d, group = heads / job->kv_heads, half = job->half;
+    int64_t offset = kv * job->capacity[l], first = (job->begin[l] * heads + kv * group) * d; /* row begin[l], head kv * group */
+    struct lane_view v = {job->q + first,
+                          job->new_keys ? job->new_keys + job->begin[l] * job->k_stride + kv * d : NULL,
+                          job->new_values ? job->new_values + job->begin[l] * job->v_stride + kv * d : NULL,
+                          job->out + first, cache_row((void *)(intptr_t)job->keys[l], half, offset, d),
+                          cache_row((void *)(intptr_t)job->values[l], half, offset, d)};
+    return v;
+}
+
+/* Task t: lane t / kv_heads, kv head t % kv_heads. A lane bound for the tiles only stores its new
+ * keys and values here (the tile tasks read them after this pass). */
 static void attention_task(void *context, int64_t t) {
     const struct attention_job *job = context;
-    int64_t heads = job->heads, kv_heads = job->kv_heads, d = job->d, group = heads / kv_heads, half = job->half;
-    int64_t l = t / kv_heads, kv = t % kv_heads, offset = kv * job->capacity[l];
-    int64_t first = (job->begin[l] * heads + kv * group) * d; /* row begin[l], head kv * group */
-    void *lane_keys = cache_row((void *)(intptr_t)job->keys[l], half, offset, d);
-    void *lane_values = cache_row((void *)(intptr_t)job->values[l], half, offset, d);
-    const float *new_keys = job->new_keys ? job->new_keys + job->begin[l] * job->k_stride + kv * d : NULL;
-    const float *new_values = job->new_values ? job->new_values + job->begin[l] * job->v_stride + kv * d : NULL;
-    attend_task(job->q + first, heads * d, group, job->out + first, lane_keys, lane_values, half, job->blocked,
-                job->rows[l], job->start[l], d, job->scale, job->window, new_keys, job->k_stride, new_values,
+    int64_t kv_heads = job->kv_heads, d = job->d, l = t / kv_heads, kv = t % kv_heads;
+    struct lane_view v = view_of(job, l, kv);
+    if (on_matrix(job, l)) {
+        if (v.new_keys)
+            for (int64_t r = 0; r < job->rows[l]; r++) {
+                store_key(v.new_keys + r * job->k_stride, job->half, job->blocked, job->start[l] + r, d, v.keys);
+                narrow(v.new_values + r * job->v_stride, job->half, d, cache_row(v.values, job->half, job->start[l] + r, d));
+            }
+        return;
+    }
+    attend_task(v.q, job->heads * d, job->heads / kv_heads, v.out, v.keys, v.values, job->half, job->blocked,
+                job->rows[l], job->start[l], d, job->scale, job->window, v.new_keys, job->k_stride, v.new_values,
                 job->v_stride);
+}
+
+#if MATRIX
+#define MQ 256      /* queries per tile task (16 tiles of 16) */
+#define MK 128      /* keys per block of the online softmax (8 tiles of 16, 4 steps of 32) */
+#define MAX_D 256   /* head sizes the tiles take: multiples of 32 up to this */
+
+static int64_t matrix_rows_run; /* rows attended on the tiles since the library loaded (atomic) */
+
+/* Every tile 16 rows x 64 bytes. C: 0..3, A: 4, 5, B: 6, 7. */
+static void matrix_configure(void) {
+    amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* x0 (16 floats) then x1 as 32 bfloat16: hi, x rounded to 8 significant bits (Veltkamp's split:
+ * c = (2^16 + 1) x, hi = c - (c - x), each an IEEE operation), and lo = bf16(x - hi), x - hi exact
+ * in float32 and at most 2^-9 of x, rounded to nearest even. A float16 value (11 significant bits)
+ * splits exactly; a float32 one keeps ~18 of its 24 bits. hi's low 16 bits are zeros: its bf16 is
+ * its upper half. (c overflows past |x| = 2^111: queries, cached values and weights are far below.) */
+static inline void split(__m512 x0, __m512 x1, __m512i *hi, __m512i *lo) {
+    const __m512 sigma = _mm512_set1_ps(65537.0f);
+    const __m512i upper = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                           31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    __m512 c0 = _mm512_mul_ps(sigma, x0), c1 = _mm512_mul_ps(sigma, x1);
+    __m512 h0 = _mm512_sub_ps(c0, _mm512_sub_ps(c0, x0)), h1 = _mm512_sub_ps(c1, _mm512_sub_ps(c1, x1));
+    *hi = _mm512_permutex2var_epi16(_mm512_castps_si512(h0), upper, _mm512_castps_si512(h1));
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
+}
+
+/* split, then pairs interleaved: element 2t from x0's lane t, 2t + 1 from x1's (a B tile's row). */
+static inline void split_pairs(__m512 x0, __m512 x1, __m512i *hi, __m512i *lo) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    split(x0, x1, hi, lo);
+    *hi = _mm512_permutexvar_epi16(pairs, *hi);
+    *lo = _mm512_permutexvar_epi16(pairs, *lo);
+}
+
+/* Per task: queries as A tiles, a block's keys and values as B tiles, scores, weights, outputs. */
+struct matrix_buffers {
+    uint16_t *q_hi, *q_lo;   /* [MQ][d] */
+    uint32_t *k_hi, *k_lo;   /* [MK / 16][d / 32] tiles of [16 element pairs][16 keys] */
+    uint32_t *v_hi, *v_lo;   /* [MK / 32][d / 16] tiles of [16 key pairs][16 elements] */
+    float *s;                /* [MQ][MK] scores */
+    uint16_t *p_hi, *p_lo;   /* [MQ][MK] weights */
+    float *o, *c, *staging;  /* [MQ][d] outputs; 4 C tiles; a block of key rows transposed */
+    float *top, *sum, *alpha;
+    uint8_t *live;
+};
+
+/* Each thread's buffers (~0.8 MB at d 128), kept between calls (a prefill runs this every layer)
+ * and freed when the thread ends. */
+static __thread char *matrix_memory;
+static __thread size_t matrix_memory_size;
+static pthread_key_t matrix_memory_key;
+static pthread_once_t matrix_memory_once = PTHREAD_ONCE_INIT;
+static void matrix_memory_make_key(void) { pthread_key_create(&matrix_memory_key, free); }
+
+static int matrix_buffers_for(int64_t d, struct matrix_buffers *b) {
+    size_t sizes[] = {2 * MQ * d, 2 * MQ * d, 4 * MK * d, 4 * MK * d, 4 * MK * d, 4 * MK * d, 4 * MQ * MK,
+                      2 * MQ * MK, 2 * MQ * MK, 4 * MQ * d, 4 * 4 * 256, 4 * 16 * d, 4 * MQ, 4 * MQ, 4 * MQ, MQ};
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += (sizes[i] + 63) / 64 * 64;
+    if (total > matrix_memory_size) {
+        pthread_once(&matrix_memory_once, matrix_memory_make_key);
+        free(matrix_memory);
+        matrix_memory = aligned_alloc(64, total);
+        matrix_memory_size = matrix_memory ? total : 0;
+        pthread_setspecific(matrix_memory_key, matrix_memory); /* (the thread's end frees it) */
+        if (!matrix_memory) return 0;
+    }
+    void **slots[] = {(void **)&b->q_hi, (void **)&b->q_lo, (void **)&b->k_hi, (void **)&b->k_lo, (void **)&b->v_hi,
+                      (void **)&b->v_lo, (void **)&b->s, (void **)&b->p_hi, (void **)&b->p_lo, (void **)&b->o,
+                      (void **)&b->c, (void **)&b->staging, (void **)&b->top, (void **)&b->sum, (void **)&b->alpha,
+                      (void **)&b->live};
+    char *at = matrix_memory;
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+        *slots[i] = at;
+        at += (sizes[i] + 63) / 64 * 64;
+    }
+    return 1;
+}
+
+/* Keys j..j+15 (j a multiple of 16, count of them written) as B tiles of the scores, one per k step
+ * s (elements 32s..32s+31): row r, lane t holds key j + t's elements 32s + 2r and 32s + 2r + 1. */
+static void matrix_keys(const void *keys, int64_t half, int64_t blocked, int64_t j, int64_t count, int64_t d,
+                        float *staging, uint32_t *hi, uint32_t *lo) {
+    const void *block = staging;
+    int kh = 0;
+    if (blocked) {
+        block = cache_row((void *)keys, half, j, d);
+        kh = half != 0;
+    } else {
+        transpose_keys(keys, half, j, count, d, staging);
+    }
+    for (int64_t c = 0; c < d; c += 2) {
+        __m512i h, l;
+        split_pairs((__m512)key_lanes(block, kh, c), (__m512)key_lanes(block, kh, c + 1), &h, &l);
+        int64_t at = (c / 32) * 256 + (c % 32) / 2 * 16;
+        _mm512_store_si512(hi + at, h);
+        _mm512_store_si512(lo + at, l);
+    }
+}
+
+/* Value rows j..j+31 as B tiles of the weighted sums, one per 16 elements: row r, lane c holds rows
+ * j + 2r and j + 2r + 1's element c. Rows past `last` (not written) are zeros. */
+static void matrix_values(const void *values, int64_t half, int64_t j, int64_t last, int64_t d, uint32_t *hi,
+                          uint32_t *lo) {
+    for (int64_t r = 0; r < 16; r++)
+        for (int64_t c = 0; c < d; c += 16) {
+            int64_t a = j + 2 * r;
+            __m512 x0 = a <= last ? (__m512)value_chunk(values, half, a, d, c) : _mm512_setzero_ps();
+            __m512 x1 = a + 1 <= last ? (__m512)value_chunk(values, half, a + 1, d, c) : _mm512_setzero_ps();
+            __m512i h, l;
+            split_pairs(x0, x1, &h, &l);
+            _mm512_store_si512(hi + (c / 16) * 256 + r * 16, h);
+            _mm512_store_si512(lo + (c / 16) * 256 + r * 16, l);
+        }
+}
+
+/* c(0..3) += the products of A tiles a0, a1 (hi, lo at stride sa) and B tiles b0, b1 (hi, lo,
+ * rows 64 bytes): lo x hi, hi x hi, hi x lo (and lo x lo where `four`), each element's float32 sum
+ * in this order. */
+#define TILE_PRODUCTS(four, a0_hi, a1_hi, a0_lo, a1_lo, sa, b0_hi, b1_hi, b0_lo, b1_lo) \
+    do {                                                                               \
+        _tile_loadd(6, b0_hi, 64);                                                     \
+        _tile_loadd(7, b1_hi, 64);                                                     \
+        _tile_loadd(4, a0_lo, sa);                                                     \
+        _tile_loadd(5, a1_lo, sa);                                                     \
+        _tile_dpbf16ps(0, 4, 6);                                                       \
+        _tile_dpbf16ps(1, 4, 7);                                                       \
+        _tile_dpbf16ps(2, 5, 6);                                                       \
+        _tile_dpbf16ps(3, 5, 7);                                                       \
+        _tile_loadd(4, a0_hi, sa);                                                     \
+        _tile_loadd(5, a1_hi, sa);                                                     \
+        _tile_dpbf16ps(0, 4, 6);                                                       \
+        _tile_dpbf16ps(1, 4, 7);                                                       \
+        _tile_dpbf16ps(2, 5, 6);                                                       \
+        _tile_dpbf16ps(3, 5, 7);                                                       \
+        _tile_loadd(6, b0_lo, 64);                                                     \
+        _tile_loadd(7, b1_lo, 64);                                                     \
+        _tile_dpbf16ps(0, 4, 6);                                                       \
+        _tile_dpbf16ps(1, 4, 7);                                                       \
+        _tile_dpbf16ps(2, 5, 6);                                                       \
+        _tile_dpbf16ps(3, 5, 7);                                                       \
+        if (four) {                                                                    \
+            _tile_loadd(4, a0_lo, sa);                                                 \
+            _tile_loadd(5, a1_lo, sa);                                                 \
+            _tile_dpbf16ps(0, 4, 6);                                                   \
+            _tile_dpbf16ps(1, 4, 7);                                                   \
+            _tile_dpbf16ps(2, 5, 6);                                                   \
+            _tile_dpbf16ps(3, 5, 7);                                                   \
+        }                                                                              \
+    } while (0)
+
+/* What a task's units of work share while a block of keys j0..j0 + MK - 1 is on: the buffers, and
+ * per query (i < n; padding rows past n) its position and lowest key. */
+struct group_state {
+    const struct matrix_buffers *b;
+    const int64_t *position, *low;
+    int64_t n, d, steps, j0;
+};
+
+/* Unit u of the scores of query tiles 2 pair, 2 pair + 1 (a pair of tiles, 32 queries): key tiles
+ * 2 (u / steps) and the next (32 keys), k step u % steps; the first step clears the C tiles, the
+ * last stores them. Key pairs no query of the pair sees are skipped (their scores are never read). */
+static inline void scores_unit(const struct group_state *g, int64_t pair, int64_t u) {
+    const struct matrix_buffers *b = g->b;
+    int64_t first = 32 * pair, end = first + 32 < g->n ? first + 32 : g->n, d = g->d, steps = g->steps;
+    int64_t t = u / steps, s = u % steps, j = g->j0 + 32 * t;
+    if (j > g->position[end - 1] || j + 31 < g->low[first]) return;
+    if (s == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const uint16_t *ah = b->q_hi + first * d + 32 * s, *al = b->q_lo + first * d + 32 * s;
+    const uint32_t *bh = b->k_hi + (2 * t * steps + s) * 256, *bl = b->k_lo + (2 * t * steps + s) * 256;
+    TILE_PRODUCTS(1, ah, ah + 16 * d, al, al + 16 * d, 2 * d, bh, bh + steps * 256, bl, bl + steps * 256);
+    if (s == steps - 1) {
+        float *at = b->s + first * MK + 32 * t;
+        _tile_stored(0, at, 4 * MK);
+        _tile_stored(1, at + 16, 4 * MK);
+        _tile_stored(2, at + 16 * MK, 4 * MK);
+        _tile_stored(3, at + 16 * MK + 16, 4 * MK);
+    }
+}
+
+/* Unit u of the weighted sums of a pair of query tiles: elements 32 (u / (MK / 32)) .. + 31 (two C
+ * tiles per query tile), key step u % (MK / 32) (32 keys); the last step stores the C tiles and
+ * folds them into each live query's outputs, o = o alpha + p v. Steps no query of the pair sees
+ * add nothing (their weights are zeros) and are skipped. */
+static inline void sums_unit(const struct group_state *g, int64_t pair, int64_t u) {
+    const struct matrix_buffers *b = g->b;
+    int64_t first = 32 * pair, end = first + 32 < g->n ? first + 32 : g->n, d = g->d;
+    int64_t c = 32 * (u / (MK / 32)), t = u % (MK / 32), j = g->j0 + 32 * t;
+    if (t == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    if (j <= g->position[end - 1] && j + 31 >= g->low[first]) {
+        const uint16_t *ah = b->p_hi + first * MK + 32 * t, *al = b->p_lo + first * MK + 32 * t;
+        const uint32_t *bh = b->v_hi + (t * (d / 16) + c / 16) * 256, *bl = b->v_lo + (t * (d / 16) + c / 16) * 256;
+        TILE_PRODUCTS(0, ah, ah + 16 * MK, al, al + 16 * MK, 2 * MK, bh, bh + 256, bl, bl + 256);
+    }
+    if (t < MK / 32 - 1) return;
+    _tile_stored(0, b->c, 64);
+    _tile_stored(1, b->c + 256, 64);
+    _tile_stored(2, b->c + 512, 64);
+    _tile_stored(3, b->c + 768, 64);
+    for (int64_t i = first; i < end; i++) {
+        if (!b->live[i]) continue;
+        int64_t r = i - first, tile = r < 16 ? 0 : 2; /* C tiles 0, 1: rows 0..15; 2, 3: 16..31 */
+        float *o = b->o + i * d + c;
+        vf alpha = splat(b->alpha[i]);
+        store(o, madd(load(o), alpha, load(b->c + tile * 256 + (r % 16) * 16)));
+        store(o + 16, madd(load(o + 16), alpha, load(b->c + (tile + 1) * 256 + (r % 16) * 16)));
+    }
+}
+
+/* The softmax update of query i for the block (where it sees one of its keys; else not `live`, and
+ * its running maximum, sum and outputs stay as they are): its scores (of the scaled query; -inf
+ * where it does not see the key), the block's largest, the weights exp(score - largest) (vexp16) as bf16 hi /
+ * lo, alpha = exp(old largest - new), sum = sum alpha + the weights' sum. */
+static inline void softmax_row(const struct group_state *g, int64_t i) {
+    const struct matrix_buffers *b = g->b;
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    int64_t j0 = g->j0, low = g->low[i], position = g->position[i];
+    int64_t from = low > j0 ? low : j0, to = position < j0 + MK - 1 ? position : j0 + MK - 1;
+    b->live[i] = from <= to;
+    if (!b->live[i]) return;
+    float *row = b->s + i * MK;
+    __m512 top = _mm512_set1_ps(-INFINITY), part = _mm512_setzero_ps();
+    if (from > j0 || to < j0 + MK - 1) { /* keys it does not see: -inf */
+        for (int64_t h = 0; h < MK / W; h++) {
+            vi key = lane + (int32_t)(j0 + h * W);
+            vi seen = (key >= (int32_t)from) & (key <= (int32_t)to);
+            vf score = load(row + h * W);
+            score = (vf)(((vi)score & seen) | ((vi)((vf){0} - INFINITY) & ~seen));
+            store(row + h * W, score);
+            top = _mm512_max_ps(top, (__m512)score);
+        }
+    } else {
+        for (int64_t h = 0; h < MK / W; h++) top = _mm512_max_ps(top, _mm512_load_ps(row + h * W));
+    }
+    /* (the reductions: fixed instruction sequences, so one order per row) */
+    float block_top = _mm512_reduce_max_ps(top), largest = block_top > b->top[i] ? block_top : b->top[i];
+    vf shift = splat(largest);
+    for (int64_t h = 0; h < MK / W; h += 2) {
+        vf e0 = vexp16(load(row + h * W) - shift), e1 = vexp16(load(row + h * W + W) - shift);
+        part = _mm512_add_ps(part, (__m512)e0);
+        part = _mm512_add_ps(part, (__m512)e1);
+        __m512i hi, lo;
+        split((__m512)e0, (__m512)e1, &hi, &lo);
+        _mm512_store_si512(b->p_hi + i * MK + h * W, hi);
+        _mm512_store_si512(b->p_lo + i * MK + h * W, lo);
+    }
+    /* exp(old - new): 0 on the first block (-inf), exactly 1 where the largest is unchanged */
+    float alpha = largest == b->top[i] ? 1.0f : vexp16(splat(b->top[i] - largest))[0];
+    b->alpha[i] = alpha;
+    b->sum[i] = b->sum[i] * alpha + _mm512_reduce_add_ps(part);
+    b->top[i] = largest;
+}
+
+/* Queries q0..q1-1 (< q0 + MQ) of lane l, kv head kv (query i: row i / group, head i % group). */
+static void matrix_group(const struct attention_job *job, int64_t l, int64_t kv, int64_t q0, int64_t q1,
+                         const struct matrix_buffers *b) {
+    int64_t heads = job->heads, d = job->d, group = heads / job->kv_heads, half = job->half, window = job->window;
+    int64_t start = job->start[l], last = start + job->rows[l] - 1, n = q1 - q0, tiles = (n + 31) / 32 * 2;
+    int64_t steps = d / 32, q_stride = heads * d, pairs = tiles / 2;
+    struct lane_view v = view_of(job, l, kv);
+    int64_t position[MQ] = {0}, low[MQ] = {0};
+    const __m512 scale = _mm512_set1_ps(job->scale);
+    if (n <= 0) return;
+    for (int64_t i = 0; i < tiles * 16; i++) {
+        if (i < n) {
+            int64_t r = q0 + i;
+            const float *x = v.q + (r / group) * q_stride + (r % group) * d;
+            position[i] = start + r / group;
+            low[i] = lowest_key(position[i], window);
+            for (int64_t c = 0; c < d; c += 32) { /* the scale applied to the query (one rounding) */
+                __m512i h, lo;
+                split(_mm512_mul_ps(_mm512_loadu_ps(x + c), scale), _mm512_mul_ps(_mm512_loadu_ps(x + c + 16), scale),
+                      &h, &lo);
+                _mm512_store_si512(b->q_hi + i * d + c, h);
+                _mm512_store_si512(b->q_lo + i * d + c, lo);
+            }
+        } else { /* padding: zeros, never live */
+            memset(b->q_hi + i * d, 0, sizeof(uint16_t) * (size_t)d);
+            memset(b->q_lo + i * d, 0, sizeof(uint16_t) * (size_t)d);
+        }
+        b->top[i] = -INFINITY;
+        b->sum[i] = 0.0f;
+    }
+    memset(b->o, 0, sizeof(float) * (size_t)(n * d));
+    struct group_state g = {b, position, low, n, d, steps, 0};
+    /* Units of tile work per pair of query tiles (scores, then weighted sums) and the softmax rows
+     * between them: pass p runs the scores of pair p, the softmax of pair p - 1's rows and the sums
+     * of pair p - 2, a row after each unit, so that the vector work runs while the tiles compute
+     * (~1.2x over the three phases one after the other on a 2-core Sapphire Rapids: the tile
+     * products hold up the vector ports much of their time, so the overlap is partial). Each
+     * unit and row is the same work in any case: the interleaving changes no bit. */
+    int64_t score_units = (MK / 32) * steps, units = score_units + (MK / 32) * (d / 32);
+    int64_t lowest = low[0], highest = position[n - 1]; /* positions ascend with the query index */
+    for (int64_t j0 = lowest - lowest % MK; j0 <= highest; j0 += MK) {
+        g.j0 = j0;
+        for (int64_t t = 0; t < MK / 16 && j0 + 16 * t <= highest; t++) {
+            int64_t j = j0 + 16 * t;
+            matrix_keys(v.keys, half, job->blocked, j, last - j + 1 < 16 ? last - j + 1 : 16, d, b->staging,
+                        b->k_hi + t * steps * 256, b->k_lo + t * steps * 256);
+        }
+        for (int64_t t = 0; t < MK / 32 && j0 + 32 * t <= highest; t++)
+            matrix_values(v.values, half, j0 + 32 * t, last, d, b->v_hi + t * (d / 16) * 256,
+                          b->v_lo + t * (d / 16) * 256);
+        for (int64_t p = 0; p < pairs + 2; p++) {
+            int64_t row = 32 * (p - 1), rows_end = row + 32 < n ? row + 32 : n, any = 0;
+            if (p >= 2)
+                for (int64_t i = 32 * (p - 2); i < 32 * (p - 1); i++) any |= i < n && b->live[i];
+            for (int64_t u = 0; u < units; u++) {
+                if (u < score_units) {
+                    if (p < pairs) scores_unit(&g, p, u);
+                } else if (any) {
+                    sums_unit(&g, p - 2, u - score_units);
+                }
+                for (; p >= 1 && row < rows_end && row < 32 * (p - 1) + 32 * (u + 1) / units; row++)
+                    softmax_row(&g, row);
+            }
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = q0 + i;
+        float *o = v.out + (r / group) * q_stride + (r % group) * d;
+        for (int64_t c = 0; c < d; c++) o[c] = b->o[i * d + c] / b->sum[i];
+    }
+}
+
+struct matrix_job {
+    const struct attention_job *job;
+    const int64_t *tasks; /* per task: lane, kv head, first query */
+};
+
+static void matrix_task(void *context, int64_t t) {
+    const struct matrix_job *mj = context;
+    const struct attention_job *job = mj->job;
+    int64_t l = mj->tasks[3 * t], kv = mj->tasks[3 * t + 1], q0 = mj->tasks[3 * t + 2];
+    int64_t queries = job->rows[l] * (job->heads / job->kv_heads);
+    struct matrix_buffers b;
+    if (!matrix_buffers_for(job->d, &b)) abort();
+    matrix_configure();
+    matrix_group(job, l, kv, q0, q0 + MQ < queries ? q0 + MQ : queries, &b);
+    _tile_release();
+}
+#endif
+
+/* Whether a call with matrix_rows > 0 may put lanes of head size d on the tiles here. */
+static int matrix_ready(int64_t d) {
+#if MATRIX
+    return d % 32 == 0 && d <= MAX_D && amx_usable();
+#else
+    (void)d;
+    return 0;
+#endif
+}
+
+/* Whether prefill chunks can run on the tiles here (a CPU with AMX-BF16, a build for it, and the
+ * kernel's permission): what `attention_kernel` names. */
+int lane_attention_matrix(void) { return matrix_ready(32); }
+
+/* Rows attended on the tiles since the library was loaded (tests: the path really ran). */
+int64_t lane_attention_matrix_rows(void) {
+#if MATRIX
+    return __atomic_load_n(&matrix_rows_run, __ATOMIC_RELAXED);
+#else
+    return 0;
+#endif
+}
+
+/* lane_attention, with the lanes of at least `matrix_rows` rows (0: none) on the tiles where they
+ * can run (`matrix_ready`), every other lane on the vectors. */
+void lane_attention_prefill(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t lanes,
+                            const int64_t *begin, const int64_t *rows, const int64_t *start, const int64_t *capacity,
+                            const int64_t *keys, const int64_t *values, float scale, int64_t window, int threads,
+                            int64_t half, const float *new_keys, int64_t k_stride, const float *new_values,
+                            int64_t v_stride, int64_t blocked, int64_t matrix_rows) {
+    struct attention_job job = {q, out, heads, kv_heads, d, begin, rows, start, capacity, keys, values, scale,
+                                window, half, new_keys, new_values, k_stride, v_stride, blocked,
+                                matrix_rows > 0 && matrix_ready(d) ? matrix_rows : 0};
+    pool_for(threads, lanes * kv_heads, attention_task, &job); /* (stores the tile lanes' new rows first) */
+#if MATRIX
+    if (!job.matrix_rows) return;
+    int64_t count = 0, group = heads / kv_heads;
+    for (int64_t l = 0; l < lanes; l++)
+        if (on_matrix(&job, l)) count += kv_heads * ((rows[l] * group + MQ - 1) / MQ);
+    if (!count) return;
+    int64_t *tasks = malloc(sizeof(int64_t) * 3 * (size_t)count), t = 0;
+    if (!tasks) abort();
+    for (int64_t l = 0; l < lanes; l++) {
+        if (!on_matrix(&job, l)) continue;
+        __atomic_fetch_add(&matrix_rows_run, rows[l], __ATOMIC_RELAXED);
+        for (int64_t kv = 0; kv < kv_heads; kv++)
+            for (int64_t q0 = 0; q0 < rows[l] * group; q0 += MQ, t++) {
+                tasks[3 * t] = l;
+                tasks[3 * t + 1] = kv;
+                tasks[3 * t + 2] = q0;
+            }
+    }
+    struct matrix_job mj = {&job, tasks};
+    pool_for(threads, count, matrix_task, &mj);
+    free(tasks);
+#endif
 }
 
 void lane_attention(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t lanes,
@@ -851,7 +1347,6 @@ void lane_attention(const float *q, float *out, int64_t heads, int64_t kv_heads,
                     const int64_t *keys, const int64_t *values, float scale, int64_t window, int threads,
                     int64_t half, const float *new_keys, int64_t k_stride, const float *new_values,
                     int64_t v_stride, int64_t blocked) {
-    struct attention_job job = {q, out, heads, kv_heads, d, begin, rows, start, capacity, keys, values, scale,
-                                window, half, new_keys, new_values, k_stride, v_stride, blocked};
-    pool_for(threads, lanes * kv_heads, attention_task, &job);
+    lane_attention_prefill(q, out, heads, kv_heads, d, lanes, begin, rows, start, capacity, keys, values, scale,
+                           window, threads, half, new_keys, k_stride, new_values, v_stride, blocked, 0);
 }

@@ -22,5 +22,12 @@ void lane_attention(const float *q, float *out, int64_t heads, int64_t kv_heads,
                     const int64_t *keys, const int64_t *values, float scale, int64_t window, int threads,
                     int64_t half, const float *new_keys, int64_t k_stride, const float *new_values,
                     int64_t v_stride, int64_t blocked);
+/* lane_attention with the lanes of at least matrix_rows rows (0: none) on the matrix tiles where the
+ * CPU has them (prefill chunks cut at the plan's boundaries only: kernels/torch_cpu.py) */
+void lane_attention_prefill(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t lanes,
+                            const int64_t *begin, const int64_t *rows, const int64_t *start, const int64_t *capacity,
+                            const int64_t *keys, const int64_t *values, float scale, int64_t window, int threads,
+                            int64_t half, const float *new_keys, int64_t k_stride, const float *new_values,
+                            int64_t v_stride, int64_t blocked, int64_t matrix_rows);
 
 #endif

@@ -124,7 +124,7 @@ def test_bench_decode_quick_writes_complete_json(tmp_path):
     cost = on_disk["workloads"]["code-edit"]["exactness_cost"]
     assert ("skipped" in cost) if backend["name"] == "torch" else cost["exact_drafted_tps"] > 0
     assert any("code-edit" in line for line in lines) and any("loaded" in line for line in lines)
-    prefill = on_disk["prefill"]  # the engine's prefill of 96 tokens, and llama.cpp's of the same ids
+    (prefill,) = on_disk["prefill"]["rows"]  # the engine's prefill of 96 tokens, and llama.cpp's of the same ids
     assert prefill["prompt_tokens"] == 96 and prefill["agentfold"]["tokens"] == 96 and prefill["agentfold"]["tps"] > 0
     assert prefill["llama_cpp"].get("tps", 0) > 0 or prefill["llama_cpp"] == {"skipped": NOT_INSTALLED}
 

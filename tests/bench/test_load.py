@@ -5,7 +5,7 @@ short rounds on the full serving stack (sessions on) with 4 tokens per reply. Ev
 decoded while up to three others interleave pass by pass, must equal its serial `draft: false`
 reference; every client completes a reply in every round and gets at least half the tokens of the
 luckiest; the server's RSS after round 2 is within 64 MiB of its RSS after round 1. The full run
-is `agentfold loadtest --clients 16 --duration 120` (README, "Operating it").
+is `agentfold loadtest --clients 16 --duration 120` (docs/operations.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from agentfold.chat.cuts import PrefixMemo, message_cuts, tools_salt
 from agentfold.chat.template import render_chat
-from agentfold.sessions.manager import assistant_cuts
+from agentfold.sessions.manager import assistant_cuts, prompt_head
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
@@ -36,18 +36,20 @@ def test_memo_cuts_equal_fresh_cuts_and_render_only_new_prefixes(smollm2_engine)
         messages = conversation(turns)
         prompt = prompt_of(messages)
         before = memo.renders
-        cuts = message_cuts(memo, encode_head, messages, prompt, tools_salt(TOOLS))
+        cuts, head = message_cuts(memo, encode_head, messages, prompt, tools_salt(TOOLS))
         assert cuts == assistant_cuts(encode_head, messages, prompt)
-        assert len(cuts) == turns + 1  # every assistant start and the reply's
+        assert head == prompt_head(encode_head, messages, prompt) > 0  # the system turn with the tools
+        assert len(cuts) == turns + 2 and cuts[0] == head  # the head, every assistant start and the reply's
         if turns > 3:  # new: the prefix before the new assistant message, and this reply's start
             assert memo.renders - before == 2, memo.renders - before
 
     # other tools render differently: they are part of the key
     messages = conversation(3)
     before = memo.renders
-    no_tools = message_cuts(memo, lambda head: encode_head(head, None), messages, prompt_of(messages, None),
+    no_tools, _ = message_cuts(memo, lambda head: encode_head(head, None), messages, prompt_of(messages, None),
                             tools_salt(None))
-    assert memo.renders - before == 4 and no_tools == assistant_cuts(lambda h: encode_head(h, None), messages,
+    # rendered anew: the 3 assistant starts, the reply's start and the head (the system turn)
+    assert memo.renders - before == 5 and no_tools == assistant_cuts(lambda h: encode_head(h, None), messages,
                                                                     prompt_of(messages, None))
 
 

@@ -50,7 +50,24 @@ CASES = [
     ('Sure.\n```\n{"name": "ReadyCheck", "arguments": {}}\n```', "Sure.", [("ReadyCheck", {})]),
     ('{"name": "Read", "arguments": "{\\"file_path\\": \\"s.py\\"}"}', "", [("Read", {"file_path": "s.py"})]),
     ('{"name": "Caf\\u00e9", "arguments": {}}', "", [("Café", {})]),
+    # several calls in one reply
+    ('[{"name": "Bash", "arguments": {"command": "ls"}}, {"name": "Read", "arguments": {"file_path": "a.py"}}]', "",
+     [("Bash", {"command": "ls"}), ("Read", {"file_path": "a.py"})]),  # a JSON list
+    ('Both:\n```json\n[\n  {"name": "Read", "arguments": {"file_path": "a.py"}},\n  {"name": "Read", "arguments": '
+     '{"file_path": "b.py"}}\n]\n```', "Both:", [("Read", {"file_path": "a.py"}), ("Read", {"file_path": "b.py"})]),
+    ('<tool_call>\n[{"name": "Bash", "arguments": {"command": "ls"}}, {"name": "Bash", "arguments": {"command": "pwd"}}]'
+     '\n</tool_call>', "", [("Bash", {"command": "ls"}), ("Bash", {"command": "pwd"})]),  # a list in one tag
+    ('<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n{"name": "Read", "arguments": {"file_path": "c"}}'
+     '\n</tool_call>', "", [("Bash", {"command": "ls"}), ("Read", {"file_path": "c"})]),  # two objects in one tag
+    ('```json\n{"name": "Bash", "arguments": {"command": "ls"}}\n```\n```json\n{"name": "Read", "arguments": '
+     '{"file_path": "d"}}\n```', "", [("Bash", {"command": "ls"}), ("Read", {"file_path": "d"})]),  # two fences
+    ('{"name": "Bash", "parameters": {"command": "ls"}}; {"name": "Bash", "parameters": {"command": "pwd"}}', "",
+     [("Bash", {"command": "ls"}), ("Bash", {"command": "pwd"})]),  # Llama 3.x, `;` between calls
+    ('[{"name": "Bash", "arguments": {"command": "ls"}}, {"name": "Write", "arguments": {}}]', "",
+     [("Bash", {"command": "ls"})]),  # a list of calls: the undeclared one is dropped, not made a call
     # text, never a call
+    ('[{"name": "Write", "arguments": {}}]', '[{"name": "Write", "arguments": {}}]', []),  # names no declared tool
+    ("[1, 2, 3] and [{\"id\": 1}]", "[1, 2, 3] and [{\"id\": 1}]", []),
     ('{"name": "Write", "arguments": {"file_path": "a.py"}}', '{"name": "Write", "arguments": {"file_path": "a.py"}}',
      []),  # not a declared tool
     ('{"name": "Read", "arguments": {"path": "a.py"}}', '{"name": "Read", "arguments": {"path": "a.py"}}', []),
@@ -111,6 +128,15 @@ def test_undeclared_forms_need_declared_tools():
     content, calls = parse_output('<tool_call>{"name": "anything", "arguments": {"a": 1}}</tool_call>')
     assert content == "" and [c.name for c in calls] == ["anything"]
     assert parse_output(CODER_FAILURE, tools_enabled=False, tools=TOOLS) == (CODER_FAILURE, [])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    reply = '<tool_call>{"name": "Bash", "arguments": {"command": "ls"}}</tool_call>' \
+            '<tool_call>{"name": "Read", "arguments": {"file_path": "a"}}</tool_call>'
+    assert [c.name for c in parse_output(reply, tools=TOOLS)[1]] == ["Bash", "Read"]
+    assert [c.name for c in parse_output(reply, tools=TOOLS, max_calls=1)[1]] == ["Bash"]
+    listed = '[{"name": "Bash", "arguments": {"command": "ls"}}, {"name": "Read", "arguments": {"file_path": "a"}}]'
+    assert [c.name for c in parse_output(listed, tools=TOOLS, max_calls=1)[1]] == ["Bash"]
 
 
 def test_text_before_a_call_streams_out_before_the_call_is_complete():

@@ -77,12 +77,15 @@ def test_a_started_call_is_forced_to_a_valid_one(engine):
         '<tool_call>\n{"name": "read_file", "arguments": {"file": "%s"}}\n</tool_call>', "Show me setup.py"))
     free = engine.generate(ids, GenerationConfig(max_tokens=50))
     assert '"arguments": {"file": "setup.py"}' in free.text and parse_output(free.text, tools=TOOLS)[1] == []
-    for params in (GREEDY, SAMPLED):
+    for params in (GREEDY, SamplingParams(temperature=0.8, seed=1)):
         reply = serial_and_drafted(engine, ids, grammar, params)
         content, calls = parse_output(reply.text, tools=TOOLS)
         assert reply.text.startswith("<tool_call>") and content == "" and len(calls) == 1, reply.text
         assert calls[0].name == "read_file"
         jsonschema.validate(calls[0].arguments_obj, READ.parameters)
+    # the tag alone starts nothing: sampled on, this reply follows its tag with code, and stays text
+    reply = serial_and_drafted(engine, ids, grammar, SAMPLED, held=False)
+    assert reply.text.startswith('<tool_call>\n"""') and parse_output(reply.text, tools=TOOLS)[1] == [], reply.text
 
 
 @pytest.mark.parametrize(("form", "ask"), [
@@ -154,9 +157,11 @@ def test_qwen_call_tags_are_special_tokens_for_llguidance(qwen):
     assert special_tags(qwen) == {"<tool_call>", "</tool_call>"}
     assert qwen.encode("<tool_call>", add_special_tokens=False) == [151657]
     assert not constraint_after(qwen, "Let me look.").in_call
-    assert constraint_after(qwen, [*qwen.encode("Let me look.\n", add_special_tokens=False), 151657]).in_call
+    tag = [*qwen.encode("Let me look.\n", add_special_tokens=False), 151657]
+    assert not constraint_after(qwen, tag).in_call  # the tag alone decides nothing: the name does
+    assert constraint_after(qwen, [*tag, *qwen.encode('\n{"name": "Read"', add_special_tokens=False)]).in_call
     spelled = [t for piece in ("<", "tool", "_call", ">") for t in qwen.encode(piece, add_special_tokens=False)]
-    assert constraint_after(qwen, spelled).in_call  # the tag written as text starts a call too
+    assert constraint_after(qwen, [*spelled, *qwen.encode('{"name": "Bash"', add_special_tokens=False)]).in_call
     assert constraint_after(qwen, '```json\n{\n  "name": "Read"').in_call
     assert not constraint_after(qwen, 'See:\n```json\n{\n  "name": "Reader"').in_call  # mid-reply: data, not a call
     done = constraint_after(qwen, [151657, *qwen.encode('\n{"name": "Bash", "arguments": {"command": "ls"}}\n',
@@ -182,20 +187,29 @@ def test_free_text_takes_any_token_and_a_call_only_valid_ones(qwen):
 
 
 @needs_coder
-@pytest.mark.parametrize("opening", ['```json\n{\n  "name": "', '{"name": "', '  ```\n{ "name" : "'])
-def test_a_reply_that_opens_a_named_object_calls_a_declared_tool(qwen, opening):
-    """Codex 0.171's tools on the coder model: the reply opened a fenced object naming `read_stdin`
-    or `read_file`, neither declared. From `{"name": "` on, only declared names are allowed."""
+@pytest.mark.parametrize("opening", ['```json\n{\n  "name": "', '{"name": "', '  ```\n{ "name" : "',
+                                     [151657, 198, 4913, 606, 788, 330]])  # <tool_call>\n{"name": "
+def test_only_a_declared_name_starts_a_call(qwen, opening):
+    """Asked what no declared tool answers, the coder model names a tool of its own (a triangle's
+    area with only a BMI tool declared: `calculate_area_of_triangle`; Codex's tools: `read_stdin`).
+    That object stays text, never a call of a declared tool; a declared name starts a call."""
+    if isinstance(opening, list):
+        assert qwen.decode(opening) == '<tool_call>\n{"name": "'
     started = constraint_after(qwen, opening)
-    assert started.in_call
+    assert not started.in_call
     invented, declared = (qwen.encode(word, add_special_tokens=False)[0] for word in ("read", "Bash"))
-    assert pick(started, [invented, declared]) == declared and started.masked_rows == 1
-    for token in qwen.encode('Bash", "arguments": {"command": "cat notes.txt"}}\n```', add_special_tokens=False):
-        assert started._allows(token)
+    assert pick(started, [invented, declared]) == invented and started.masked_rows == 0
+    for token in qwen.encode('read_stdin", "arguments": {"path": "notes.txt"}}', add_special_tokens=False):
+        assert started._allows(token)  # the invented call is free text to its end
         started.advance(token)
-    assert not started.in_call and started.live
-    prose = constraint_after(qwen, 'Here is the file:\n' + opening + 'my-app", "version": "1.0"}')  # data
-    assert not prose.in_call and prose.masked_rows == 0
+    assert not started.in_call and started.masked_rows == 0
+    named = constraint_after(qwen, opening)
+    for token in qwen.encode('Bash", "arguments": {"', add_special_tokens=False):
+        assert named._allows(token)
+        named.advance(token)
+    assert named.in_call
+    bad, good = qwen.encode("path", add_special_tokens=False)[0], qwen.encode("command", add_special_tokens=False)[0]
+    assert pick(named, [bad, good]) == good and named.masked_rows == 1  # the declared tool's schema holds
 
 
 @needs_coder

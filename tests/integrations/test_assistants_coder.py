@@ -6,7 +6,10 @@ as a user would start it: default backend, suffix drafting on. Each client, conf
 its working folder, so it must call a tool (Claude Code's Read, Codex's shell), get the result
 back and answer with the number. Then a second turn of the same conversation reuses >= 95% of its
 prompt from the session cache. The server's telemetry shows the tool round trip: a turn that
-ended in a tool call, then the request carrying its result, served from the cache.
+ended in a tool call, then the request carrying its result, served from the cache. Later new
+conversations in the same folder (one before a restart of the server, one after) restore the prompt
+head the first one left (the system prompt and tools), and four Claude Code sessions started at once
+prefill that head once.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from tests.integrations.test_assistants_live import binary_or_skip, codex_events
 # and Codex 4 of 6 (2026-12-05). So the clients work in fixed folders (`LIVE_ROOT`), leaving the date
 # (and the machine's OS version) as what varies from run to run, and the note is the one the model
 # handled on every date tried: decoding the captured requests of these CLIs in-process with the
-# date, note and question edited (README, "The real CLIs on the real coding model"), the note
+# date, note and question edited (docs/assistants.md, the sweep), the note
 # `build_cache_key = 48213` with this question got a call on notes.txt and then the number on 8 of 8
 # dates spread over 2027 and on each of the 16 days from 2026-12-05, for both clients; the earlier
 # note with "Do not share it outside the team." drew Codex's "I'm sorry, but I can't assist with
@@ -49,6 +52,11 @@ NUMBER = "48213"
 NOTES = f"build_cache_key = {NUMBER}\n"
 ASK = "Read notes.txt and tell me the build cache key written in it."
 FOLLOW_UP = "Thanks. In one short sentence: which file did you read?"
+# Other new conversations in the same folder: the same system prompt and tools (the shared head),
+# another question. What the model answers is not checked here, only what the server restored.
+OTHER_ASKS = ("Which files are in this folder?", "What is written in notes.txt?")
+CLIENTS_AT_ONCE = 4
+OTHER_ASK_TIMEOUT_S = 300
 
 
 def coder_server(model: Path, home: Path) -> ServerProcess:
@@ -80,6 +88,38 @@ def workspace(client: str) -> tuple[Path, Path]:
     return home, project
 
 
+def run_any(command: list[str | Path], cwd: Path, env: dict[str, str]) -> None:
+    """A client run whose answer is not the point (a new conversation, measured for its cache): it
+    may end as it likes, and is stopped after OTHER_ASK_TIMEOUT_S should the model keep calling tools."""
+    try:
+        subprocess.run([str(part) for part in command], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=OTHER_ASK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def opening_turns(turns: list[dict], head_at_least: int) -> list[dict]:
+    """Each conversation's first turn that carries the client's whole system prompt and tools
+    (not a side request such as a title), oldest first."""
+    firsts: dict[str, dict] = {}
+    for turn in turns:
+        if turn["status"] == "ok" and turn["prompt_tokens"] > head_at_least:
+            firsts.setdefault(turn["session_id"], turn)
+    return sorted(firsts.values(), key=lambda t: t["started_at"])
+
+
+def assert_new_conversations_restore_the_head(server_home: Path, first_session: str) -> list[dict]:
+    """The first conversation prefilled its head; every later new one restored it."""
+    openings = opening_turns(served_turns(server_home), 2000)
+    first = next(t for t in openings if t["session_id"] == first_session)
+    assert first["head_tokens"] == 0 and first["cached_tokens"] == 0, first
+    later = [t for t in openings if t["session_id"] != first_session]
+    assert later, "no new conversation was served"
+    for turn in later:
+        assert turn["head_tokens"] > 2000 and turn["cached_tokens"] >= turn["head_tokens"], turn
+    return later
+
+
 def assert_round_trip_served_from_cache(turns: list[dict], session: str, api: str) -> None:
     """A tool call, then its result's request and the follow-up, each >= 95% from the session's cache."""
     mine = [t for t in turns if t["session_id"] == session and t["status"] == "ok"]
@@ -92,20 +132,56 @@ def assert_round_trip_served_from_cache(turns: list[dict], session: str, api: st
 
 
 def test_claude_code_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path) -> None:
+    """The tool round trip; then a second new conversation in the same folder and a third after a
+    restart of the server, each restoring the ~9.3K-token head (system prompt and tools) the first
+    left, so they prefill only their own ~2.5K tokens."""
     claude = binary_or_skip("claude")
     home, project = workspace("claude")
     env = client_env(home)
+    print_json = [claude, "-p", "--output-format", "json"]
     with coder_server(coder_gguf, tmp_path / "server") as server:
         integrate("claude-code", home, server.url)
         first = json.loads(run_client([claude, "-p", "--output-format", "json", ASK], project, env))
         second = json.loads(run_client([claude, "-p", "--continue", "--output-format", "json", FOLLOW_UP], project,
                                        env))
         assert server.health()["turns"]["cancelled"] == 0, server.health()  # no request given up on and re-sent
+        run_any([*print_json, OTHER_ASKS[0]], project, env)
+    with coder_server(coder_gguf, tmp_path / "server") as restarted:  # the same home, another port
+        integrate("claude-code", home, restarted.url)
+        run_any([*print_json, OTHER_ASKS[1]], project, env)
     assert first["is_error"] is False and NUMBER in first["result"], first
     assert second["is_error"] is False and second["session_id"] == first["session_id"], second
     turns = served_turns(server.home)
     assert all(t["client"].startswith(f"claude-cli/{PINNED['claude']}") for t in turns), turns
     assert_round_trip_served_from_cache(turns, first["session_id"], "messages")
+    later = assert_new_conversations_restore_the_head(restarted.home, first["session_id"])
+    assert len(later) >= 2, later  # one before the restart, one after
+    print("claude new conversations:", [(t["prompt_tokens"], t["head_tokens"], round(t["ttft_ms"])) for t in later])
+
+
+def test_claude_code_sessions_started_at_once_prefill_the_head_once(coder_gguf: Path, tmp_path: Path) -> None:
+    """Four `claude -p` started together in one folder: one prefills the head, the other three wait
+    for its snapshot and restore it; all four finish the task."""
+    claude = binary_or_skip("claude")
+    home, project = workspace("claude")
+    env = client_env(home)
+    with coder_server(coder_gguf, tmp_path / "server") as server:
+        integrate("claude-code", home, server.url)
+        command = [str(part) for part in (claude, "-p", "--output-format", "json", ASK)]
+        runs = [subprocess.Popen(command, cwd=project, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(CLIENTS_AT_ONCE)]
+        outputs = [run.communicate(timeout=CLIENT_TIMEOUT_S) for run in runs]
+        assert server.health()["turns"]["cancelled"] == 0, server.health()
+    results = [json.loads(out) for out, _ in outputs]
+    assert all(r["is_error"] is False and r["result"] for r in results), results  # all four finished
+    # What each answers is the model's: one of four runs once got a prompt 138 tokens shorter than
+    # the others from Claude Code (same head) and read the file another way, answering without the number.
+    print("claude at once, answers with the number:", sum(NUMBER in r["result"] for r in results))
+    openings = opening_turns(served_turns(server.home), 2000)
+    assert len(openings) == CLIENTS_AT_ONCE, openings
+    prefilled = [t for t in openings if t["head_tokens"] == 0]
+    assert len(prefilled) == 1 and prefilled[0]["cached_tokens"] == 0, openings  # the head, prefilled once
+    print("claude at once:", [(t["prompt_tokens"], t["head_tokens"], round(t["ttft_ms"])) for t in openings])
 
 
 def test_codex_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path) -> None:
@@ -119,6 +195,10 @@ def test_codex_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path) -> N
         first = codex_events(run_client([*exec_args, ASK], project, env))
         second = codex_events(run_client([*exec_args, "resume", "--last", FOLLOW_UP], project, env))
         assert server.health()["turns"]["cancelled"] == 0, server.health()
+        run_any([*exec_args, OTHER_ASKS[0]], project, env)
+    with coder_server(coder_gguf, tmp_path / "server") as restarted:  # the same home, another port
+        integrate("codex", home, restarted.url)
+        run_any([*exec_args, OTHER_ASKS[1]], project, env)
     assert NUMBER in first["reply"].get("text", ""), first
     assert "turn.completed" in second and second["reply"].get("text"), second
     thread = first["thread.started"]["thread_id"]
@@ -126,3 +206,6 @@ def test_codex_reads_the_file_and_answers(coder_gguf: Path, tmp_path: Path) -> N
     turns = served_turns(server.home)
     assert all(t["client"].startswith(f"codex_exec/{PINNED['codex']}") for t in turns), turns
     assert_round_trip_served_from_cache(turns, thread, "responses")
+    later = assert_new_conversations_restore_the_head(restarted.home, thread)
+    assert len(later) >= 2, later
+    print("codex new conversations:", [(t["prompt_tokens"], t["head_tokens"], round(t["ttft_ms"])) for t in later])

@@ -81,18 +81,25 @@ def test_the_other_lanes_and_their_order_change_nothing(threads):
         assert torch.equal(again[begin : begin + rows], full[lanes[index][0] : lanes[index][0] + rows])
 
 
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill-chunk", "wide-pass"])
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("context", [500, 7000])
-def test_prefill_chunks_and_wide_passes_are_row_exact_too(context, window, threads):
-    """A prefill chunk (any width, 150 rows here, and past PER_ROW_LIMIT) runs the same C call:
-    each of its rows has its one-row call's bits, so a chunk's cache rows do not depend on where
-    the prefill was cut. (Over 7,000 keys the kernel takes the chunk's queries in groups.)"""
-    q, lanes = _pass(9, 3, 64, [(context, 150)], seed=3, dtype=torch.float16)
-    with torch_cpu.prefill_chunk():
+def test_prefill_chunks_and_wide_passes_are_row_exact_too(context, window, prefill, threads):
+    """A wide pass (150 rows, past PER_ROW_LIMIT) and a prefill chunk short of the tiles'
+    threshold (`MATRIX_MIN_ROWS` - 1 rows: every prompt piece that may share a pass is shorter
+    still) run the same C call: each of their rows has its one-row call's bits, so their cache rows
+    do not depend on where the prompt was cut. (Over 7,000 keys the kernel takes the chunk's queries
+    in groups. Longer chunks on AMX tiles: tests/kernels/test_prefill_attention_amx.py.)"""
+    rows = torch_cpu.MATRIX_MIN_ROWS - 1 if prefill else 150
+    q, lanes = _pass(9, 3, 64, [(context, rows)], seed=3, dtype=torch.float16)
+    if prefill:
+        with torch_cpu.prefill_chunk():
+            chunk = torch_cpu.lane_attention(q, lanes, 0.125, window)
+    else:
         chunk = torch_cpu.lane_attention(q, lanes, 0.125, window)
     assert chunk is not None
     _, rows, start, keys, values = lanes[0]
-    for i in (0, 1, 63, 64, 65, 149):
+    for i in (0, 1, 63, 64, 65, rows - 1):
         alone = torch_cpu.lane_attention(q[i : i + 1], [(0, 1, start + i, keys, values)], 0.125, window)
         assert torch.equal(chunk[i], alone[0]), i
 

@@ -18,7 +18,7 @@ from tests.helpers.api_helpers import MODEL_ID, ServerThread
 
 LOGGER = "agentfold.serve.turn_log"
 TURN_LINE = re.compile(r"^turn (?P<api>\w+) session=(?P<session>\S+) prompt=(?P<prompt>\d+) cached=(?P<cached>\d+) "
-                       r"reply=(?P<reply>\d+) ttft=(?P<ttft>\d+)ms (?P<tps>\d+\.\d) tok/s "
+                       r"head=(?P<head>\d+) reply=(?P<reply>\d+) ttft=(?P<ttft>\d+)ms (?P<tps>\d+\.\d) tok/s "
                        r"drafted=(?P<drafted>\d+) accepted=(?P<accepted>\d+) finish=(?P<finish>\w+)$")
 PREFILL_LINE = re.compile(r"^prefill session=(?P<session>\S+) (?P<done>\d+)/(?P<total>\d+) tokens (?P<rate>\d+) tok/s$")
 

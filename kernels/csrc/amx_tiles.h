@@ -1,0 +1,34 @@
+/* What every AMX path here shares (int8_gemm.c, block_gemm.c, lane_attention.c): the tile state,
+ * which Linux grants a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM, asked once per
+ * library; a kernel without AMX support refuses, and the caller keeps its vector path), and the
+ * tile configuration record `_tile_loadconfig` reads. Include it only in a Linux build with AMX. */
+#ifndef AGENTFOLD_AMX_TILES_H
+#define AGENTFOLD_AMX_TILES_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ARCH_REQ_XCOMP_PERM 0x1023
+#define AMX_XFEATURE_XTILEDATA 18
+
+static int amx_granted;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static void amx_request(void) {
+    amx_granted = syscall(SYS_arch_prctl, AMX_ARCH_REQ_XCOMP_PERM, AMX_XFEATURE_XTILEDATA) == 0;
+}
+
+/* Whether this process may use the tiles (asked once). */
+static inline int amx_usable(void) {
+    pthread_once(&amx_once, amx_request);
+    return amx_granted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} amx_config;
+
+#endif
