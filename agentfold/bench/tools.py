@@ -174,8 +174,8 @@ def bench_tools(model: str | None, out: str | Path, *, quick: bool = False, back
     """Run every case through `agentfold serve` and raw, write the JSON to `out`, return it.
 
     The server is a child process as a user starts it, on the backend and quantization the engine
-    loaded here chose; the raw text comes from that engine, decoded greedily with no grammar and no
-    stops, so what the model wrote is all there."""
+    loaded here chose; the raw text comes from that engine, decoded greedily on the server's prefill
+    plan with no grammar and no stops, so what the model wrote is all there."""
     import openai
 
     from agentfold.bench.harness import ServerProcess
@@ -185,6 +185,7 @@ def bench_tools(model: str | None, out: str | Path, *, quick: bool = False, back
     from agentfold.engine.decode import GenerationConfig
     from agentfold.engine.factory import build_engine
     from agentfold.serve.models import resolve
+    from agentfold.sessions.manager import assistant_cuts
 
     started = time.perf_counter()
     path = resolve(model)
@@ -213,7 +214,10 @@ def bench_tools(model: str | None, out: str | Path, *, quick: bool = False, back
             message = reply.choices[0].message
             served = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
             ids = engine.tokenizer.encode(render_chat(engine.tokenizer, messages, specs), add_special_tokens=False)
-            raw_text = engine.generate(ids, GenerationConfig(max_tokens=MAX_TOKENS)).text
+            cuts = assistant_cuts(lambda head, specs=specs: engine.tokenizer.encode(
+                render_chat(engine.tokenizer, head, specs, add_generation_prompt=False), add_special_tokens=False),
+                messages, ids)  # the server's plan: a prefill chunk's arithmetic may depend on where it is cut
+            raw_text = engine.generate(ids, GenerationConfig(max_tokens=MAX_TOKENS), cuts=cuts).text
             raw = [(c.name, c.arguments_obj) for c in parse_output(raw_text, tools=specs)[1]]
             written = names_written(raw_text)
             row = {"kind": case.kind, "question": case.question, "tools": list(case.tools),

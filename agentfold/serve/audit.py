@@ -10,7 +10,7 @@ Three ways in, one comparison (`engine.decode.first_mismatch` over token ids):
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -23,10 +23,12 @@ __all__ = ["check_exactness", "config_from_inputs", "config_inputs", "first_mism
 RunTurn = Callable[[TurnRequest], Awaitable[tuple[Completion, Turn]]]
 
 
-def config_inputs(prompt: list[int], config: GenerationConfig) -> dict[str, Any]:
-    """What replaying a turn needs, JSON-ready (stored on its telemetry row)."""
+def config_inputs(prompt: list[int], config: GenerationConfig, cuts: Sequence[int] = ()) -> dict[str, Any]:
+    """What replaying a turn needs, JSON-ready (stored on its telemetry row). `cuts`: its prefill
+    plan's cuts, which a replay follows (a long prefill chunk's bits may depend on where it is cut:
+    AMX attention, `kernels.torch_cpu.MATRIX_MIN_ROWS`)."""
     return {"prompt": list(prompt), "params": asdict(config.params), "max_tokens": config.max_tokens,
-            "stop": list(config.stop), "grammar": config.grammar, "draft": config.draft}
+            "stop": list(config.stop), "grammar": config.grammar, "draft": config.draft, "cuts": list(cuts)}
 
 
 def config_from_inputs(inputs: dict[str, Any], draft: bool) -> GenerationConfig:
@@ -34,16 +36,17 @@ def config_from_inputs(inputs: dict[str, Any], draft: bool) -> GenerationConfig:
                             stop=tuple(inputs["stop"]), draft=draft, grammar=inputs.get("grammar"))
 
 
-def _internal(prompt: list[int], config: GenerationConfig, api: str) -> TurnRequest:
+def _internal(prompt: list[int], config: GenerationConfig, api: str, cuts: Sequence[int] = ()) -> TurnRequest:
     """A turn of the runtime's own: no session cache, no telemetry row of its own."""
-    return TurnRequest(prompt=prompt, config=config, api=api, internal=True)
+    return TurnRequest(prompt=prompt, config=config, api=api, internal=True, cuts=tuple(cuts))
 
 
 async def replay(run_turn: RunTurn, turn_id: str, inputs: dict[str, Any]) -> dict[str, Any]:
     """Decode a stored turn's prompt serially from an empty cache and compare token ids."""
     if not inputs.get("prompt"):
         raise ValueError(f"turn {turn_id!r} has no stored inputs to replay")
-    reference, _ = await run_turn(_internal(inputs["prompt"], config_from_inputs(inputs, draft=False), "audit"))
+    reference, _ = await run_turn(_internal(inputs["prompt"], config_from_inputs(inputs, draft=False), "audit",
+                                            inputs.get("cuts") or ()))
     replied = list(inputs.get("reply") or [])
     mismatch = first_mismatch(replied, reference.tokens)
     return {"turn_id": turn_id, "verdict": "passed" if mismatch is None else "failed",

@@ -344,7 +344,7 @@ class Runtime:
         if turn.request.audit and completion.stats.draft_method != "none":
             turn.status = "auditing"
             reference = replace(turn.request.config, draft=False)
-            turn._audit_generation = self.engine.stream(turn.request.prompt, reference)
+            turn._audit_generation = self.engine.stream(turn.request.prompt, reference, cuts=turn.request.cuts)
             turn._audit_iter = iter(turn._audit_generation)
             return True
         return self._complete(turn)

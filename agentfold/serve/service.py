@@ -163,7 +163,8 @@ class Service:
         )
         record.head_tokens = info.head_tokens if info else 0
         record.audit, record.mismatch_position = turn.audit, turn.mismatch_position
-        record.inputs = {**audit.config_inputs(request.prompt, request.config), "reply": list(completion.tokens)}
+        record.inputs = {**audit.config_inputs(request.prompt, request.config, request.cuts),
+                         "reply": list(completion.tokens)}
         turn.record = record
         if request.internal:
             return
