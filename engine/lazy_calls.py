@@ -53,6 +53,8 @@ TAGS = ("<tool_call>", "</tool_call>")
 WS = r"[ \t\r\n]{0,24}"  # bounded: a small model must not loop on whitespace inside a call
 _JSON_OPTIONS = {"whitespace_pattern": WS, "item_separator": ",", "key_separator": ":"}
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
+
+
 def is_lazy(grammar: str | None) -> bool:
     return bool(grammar) and grammar.startswith(LAZY_MARK)
 

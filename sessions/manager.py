@@ -111,8 +111,14 @@ def prompt_head(encode_head: Callable[[Sequence[Message]], list[int]], messages:
 
 def assistant_cuts(encode_head: Callable[[Sequence[Message]], list[int]], messages: Sequence[Message],
                    prompt: Sequence[int]) -> list[int]:
-    """Prefill cuts where the prompt's head ends (`prompt_head`), where each assistant message
-    starts and where this prompt's reply starts.
+    """The plan's cuts of `prompt` alone (`prompt_cuts` without the head's position)."""
+    return prompt_cuts(encode_head, messages, prompt)[0]
+
+
+def prompt_cuts(encode_head: Callable[[Sequence[Message]], list[int]], messages: Sequence[Message],
+                prompt: Sequence[int]) -> tuple[list[int], int]:
+    """Prefill cuts where the prompt's head ends (`prompt_head`, also returned: 0 for none), where
+    each assistant message starts and where this prompt's reply starts.
 
     `encode_head(messages[:i])` renders a prefix without the generation prompt; a cut is kept
     only where that rendering is also a token prefix of `prompt`. A resumed turn restores the
@@ -130,7 +136,7 @@ def assistant_cuts(encode_head: Callable[[Sequence[Message]], list[int]], messag
         if 0 < len(head) < len(prompt) and list(prompt[: len(head)]) == head:
             cuts.append(len(head))
     head = prompt_head(encode_head, messages, prompt)
-    return sorted(set(cuts) | ({head} if head else set()))
+    return sorted(set(cuts) | ({head} if head else set())), head
 
 
 def reply_start(plan: Sequence[int], cuts: Sequence[int]) -> int:
@@ -211,13 +217,10 @@ class SessionManager:
             list(messages), add_generation_prompt=generation_prompt, tokenize=False)
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
-    def render(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
-        """Prompt ids and the plan's cuts (see `assistant_cuts`; the head's is `prompt_head`)."""
+    def render(self, messages: Sequence[Message]) -> tuple[list[int], list[int], int]:
+        """Prompt ids, the plan's cuts and where the shared head ends (see `prompt_cuts`)."""
         prompt = self._encode(messages, True)
-        return prompt, assistant_cuts(lambda head: self._encode(head, False), messages, prompt)
-
-    def head_of(self, messages: Sequence[Message], prompt: Sequence[int]) -> int:
-        return prompt_head(lambda head: self._encode(head, False), messages, prompt)
+        return prompt, *prompt_cuts(lambda head: self._encode(head, False), messages, prompt)
 
     # --- replies ---
 
@@ -244,8 +247,7 @@ class SessionManager:
         scheduler runs the prefill chunks as passes between other replies' passes.
         """
         if request and isinstance(request[0], dict):
-            prompt, cuts = self.render(request)  # type: ignore[arg-type]
-            head = self.head_of(request, prompt)  # type: ignore[arg-type]
+            prompt, cuts, head = self.render(request)  # type: ignore[arg-type]
             title = next((str(m.get("content", ""))[:60] for m in request if m.get("role") == "user"), "")
         else:
             prompt, cuts, title = [int(t) for t in request], sorted(set(cuts)), ""

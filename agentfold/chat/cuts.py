@@ -1,11 +1,11 @@
 """Prefill cuts of a chat prompt, remembered across the turns of a conversation.
 
-A prompt's plan cuts at the start of every assistant message and of the reply (sessions.manager:
-`assistant_cuts`), which takes the token ids of each rendered message prefix. An agent resends its
-whole history every turn, so without memory each request re-renders and re-tokenizes every
-earlier prefix: work that grows with turns x length. Here each prefix's ids are kept under a
-digest chained over the messages (and tools) that produced it, so a request renders only the
-prefixes it has not seen: its new messages.
+A prompt's plan cuts where its shared head ends, at the start of every assistant message and of
+the reply (sessions.manager: `prompt_cuts`), which takes the token ids of each rendered message
+prefix. An agent resends its whole history every turn, so without memory each request re-renders
+and re-tokenizes every earlier prefix: work that grows with turns x length. Here each prefix's ids
+are kept under a digest chained over the messages (and tools) that produced it, so a request
+renders only the prefixes it has not seen: its new messages.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentfold.sessions.manager import assistant_cuts, prompt_head
+from agentfold.sessions.manager import prompt_cuts
 
 Message = dict[str, Any]
 MEMO_ENTRIES = 512  # rendered prefixes kept (a 30-turn agent session holds ~30)
@@ -64,9 +64,8 @@ class PrefixMemo:
 
 def message_cuts(memo: PrefixMemo, encode_head: Callable[[Sequence[Message]], list[int]],
                  messages: Sequence[Message], prompt: Sequence[int], salt: str) -> tuple[list[int], int]:
-    """`assistant_cuts` and `prompt_head` of `prompt`, rendering only the prefixes `memo` has not seen."""
-    encode = memo.encoder(encode_head, messages, salt)
-    return assistant_cuts(encode, messages, prompt), prompt_head(encode, messages, prompt)
+    """`prompt_cuts` of `prompt` (its cuts and head), rendering only the prefixes `memo` has not seen."""
+    return prompt_cuts(memo.encoder(encode_head, messages, salt), messages, prompt)
 
 
 _MEMOS: weakref.WeakKeyDictionary[Any, PrefixMemo] = weakref.WeakKeyDictionary()

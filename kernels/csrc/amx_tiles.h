@@ -5,8 +5,10 @@
 #ifndef AGENTFOLD_AMX_TILES_H
 #define AGENTFOLD_AMX_TILES_H
 
+#include <immintrin.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -30,5 +32,18 @@ typedef struct {
     uint16_t bytes_per_row[16];
     uint8_t rows[16];
 } amx_config;
+
+/* Tiles 0..7 all 16 rows x 64 bytes (int8_gemm.c, lane_attention.c; block_gemm.c's legacy types
+ * configure narrower A and B tiles of their own). */
+static inline void amx_configure_16x64(void) {
+    amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
 
 #endif

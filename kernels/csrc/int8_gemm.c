@@ -358,17 +358,6 @@ static void run_blocks(const uint8_t *au, int64_t m, int64_t kp, const int8_t *p
 #define AMX_K 64         /* k per tile step */
 #define AMX_MIN_ROWS 12  /* fewer rows (int8 halves) go to the VNNI tiles: memory-bound either way */
 
-static void amx_configure(void) {
-    amx_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
-}
-
 /* Whether a call of m rows (int8 halves) with kp (packed k) runs on the tiles. */
 static inline int amx_runs(int64_t m, int64_t kp) { return m >= AMX_MIN_ROWS && kp % AMX_K == 0 && amx_usable(); }
 
@@ -416,7 +405,7 @@ static void run_blocks_amx(const uint8_t *au, int64_t m, int64_t kp, const int8_
                            int64_t n, int32_t *c, int64_t ldc, int64_t lo, int64_t hi) {
     int32_t out[32 * BLOCK];
     const int64_t bstride = BLOCK * kp;
-    amx_configure();
+    amx_configure_16x64();
     for (int64_t i = 0; i < AMX_AHEAD; i += 64) _mm_prefetch((const char *)(packed + lo * bstride + i), _MM_HINT_T0);
     for (int64_t r = 0; r < m; r += 32) {
         const uint8_t *rows_au = au + r * kp;

@@ -929,17 +929,7 @@ static void attention_task(void *context, int64_t t) {
 
 static int64_t matrix_rows_run; /* rows attended on the tiles since the library loaded (atomic) */
 
-/* Every tile 16 rows x 64 bytes. C: 0..3, A: 4, 5, B: 6, 7. */
-static void matrix_configure(void) {
-    amx_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
-}
+/* Tiles (amx_configure_16x64): C 0..3, A 4, 5, B 6, 7. */
 
 /* x0 (16 floats) then x1 as 32 bfloat16: hi, x rounded to 8 significant bits (Veltkamp's split:
  * c = (2^16 + 1) x, hi = c - (c - x), each an IEEE operation), and lo = bf16(x - hi), x - hi exact
@@ -1278,7 +1268,7 @@ static void matrix_task(void *context, int64_t t) {
     int64_t queries = job->rows[l] * (job->heads / job->kv_heads);
     struct matrix_buffers b;
     if (!matrix_buffers_for(job->d, &b)) abort();
-    matrix_configure();
+    amx_configure_16x64();
     matrix_group(job, l, kv, q0, q0 + MQ < queries ? q0 + MQ : queries, &b);
     _tile_release();
 }
