@@ -20,7 +20,7 @@ import numpy as np
 
 from agentfold.engine.gguf_file import GGUFError, GGUFFile
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 LOADER_VERSION = 2  # bump when the weights a file loads to change (snapshot and weight-cache keys); 2: reference dequantization
 
 _LAYER_NAMES = {
@@ -42,6 +42,18 @@ _GEMMA_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Qwen3-MoE (llama.cpp's `qwen3moe`): every layer routes to experts. The router is `ffn_gate_inp`
+# [experts, hidden]; each `ffn_*_exps` tensor holds all experts of a projection, [experts, rows, cols]
+# in numpy order (ggml's {cols, rows, experts}), expert e's rows contiguous. They keep that stacked
+# form under mlx-lm's `switch_mlp` names, which the torch loader stacks per-expert checkpoints into.
+_QWEN3MOE_LAYER_NAMES = {
+    **{part: name for part, name in _LAYER_NAMES.items() if not part.startswith(("ffn_gate", "ffn_up", "ffn_down"))},
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+}
+_LAYER_TABLES = {"gemma3": _GEMMA_LAYER_NAMES, "qwen3moe": _QWEN3MOE_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # End-of-generation tokens as llama.cpp marks them (llama-vocab.cpp): a reply ends at any of them
 _EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
@@ -98,11 +110,12 @@ def config_from_metadata(meta: dict[str, Any], arch: str, has_output: bool) -> d
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    feed_forward = get("feed_forward_length", 0 if arch == "qwen3moe" else None)  # (unused by all-MoE layers)
     config: dict[str, Any] = {
         "model_type": arch,
         "hidden_size": hidden,
         "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(feed_forward),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
@@ -123,6 +136,8 @@ def config_from_metadata(meta: dict[str, Any], arch: str, has_output: bool) -> d
             sliding_window_pattern=6,
             rope_local_base_freq=10000.0,
         )
+    if arch == "qwen3moe":
+        config.update(moe_config(meta, arch, config))
     eos = scalar(meta, "tokenizer.ggml.eos_token_id")
     eog = end_of_generation_ids(meta)
     if eos is not None:
@@ -131,6 +146,27 @@ def config_from_metadata(meta: dict[str, Any], arch: str, has_output: bool) -> d
     if bos is not None:
         config["bos_token_id"] = int(bos)
     return config
+
+
+def moe_config(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's keys of a Hugging Face config, as llama.cpp's qwen3moe graph runs it: every layer
+    sparse (llama.cpp has no dense layers for it), a softmax router whose top-k gates are renormalized
+    (`norm_topk_prob`: llama.cpp's build_moe_ffn is called with norm_w true), and the experts' width
+    from `expert_feed_forward_length`, or feed_forward_length / expert_used_count where a file lacks it
+    (llama.cpp's fallback)."""
+    def get(key: str) -> Any:
+        return scalar(meta, f"{arch}.{key}")
+
+    experts, used = get("expert_count"), get("expert_used_count")
+    if not experts or not used:
+        raise GGUFError(f"{arch}: expert_count and expert_used_count must be set (got {experts}, {used})")
+    width = get("expert_feed_forward_length") or config["intermediate_size"] // int(used)
+    if not width:
+        raise GGUFError(f"{arch}: no expert_feed_forward_length (nor a feed_forward_length to derive it from)")
+    return {"model_type": "qwen3_moe", "num_experts": int(experts), "num_experts_per_tok": int(used),
+            "moe_intermediate_size": int(width), "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "hidden_act": "silu",
+            "head_dim": int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])}
 
 
 def end_of_generation_ids(meta: dict[str, Any]) -> list[int]:
@@ -163,7 +199,7 @@ def hf_name(name: str, arch: str) -> str | None:
     base, _, suffix = name.rpartition(".")  # suffix: weight | bias
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", base)
     if match:
-        table = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+        table = _LAYER_TABLES.get(arch, _LAYER_NAMES)
         part = table.get(match.group(2))
         if part is None:
             return None

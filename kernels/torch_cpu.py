@@ -37,8 +37,9 @@ import torch.nn.functional as F
 
 from agentfold.kernels import native
 
-VERSION = 6  # bump when any kernel's arithmetic changes (it is part of snapshot keys); 5: lane attention sums by
-# key lanes, and prefill chunks attend through it too; 6: long prefill chunks on AMX-BF16 tiles (MATRIX_MIN_ROWS)
+VERSION = 7  # bump when any kernel's arithmetic changes (it is part of snapshot keys); 5: lane attention sums by
+# key lanes, and prefill chunks attend through it too; 6: long prefill chunks on AMX-BF16 tiles (MATRIX_MIN_ROWS);
+# 7: their softmax's exponentials in fused multiply-adds (`matrix_exp`)
 PER_ROW_LIMIT = 64  # passes wider than this are prefill chunks: batched, not row-exact
 # A lane of a prefill chunk (a pass inside `prefill_chunk()`) with at least this many rows attends on
 # the matrix tiles where the CPU has AMX-BF16 (csrc/lane_attention.c, `lane_attention_prefill`):

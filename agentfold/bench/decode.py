@@ -7,14 +7,19 @@ Each one is decoded greedily by the engine (the backend and quant `--backend` / 
 `agentfold generate` would) serially and with drafting, by stock mlx-lm on the float model, and by
 llama.cpp on the same GGUF where llama-cpp-python is installed; rates are also put against a
 memory-bandwidth roofline measured in the same run, over the bytes the chosen backend reads per
-token. Int8 weights change the numerics, so the run also reports their cost in quality next to
+token, and the run measures the engine against the bus (`bench.bus`, the record's `bus` and
+`roofline.read_bandwidth`): the read bandwidth at the backend's threads, a one-row pass part by
+part (decoder layers, output head, sampling, the rest) with the GB/s each part's weights stream
+at, and passes of 1-16 rows against llama.cpp's on the same ids. Int8 weights change the numerics, so the run also reports their cost in quality next to
 float32 (`bench_quality`). Speed is reported, never asserted: the run's `identical` flags
 (drafted == serial) are the part that must hold; equality with mlx-lm's float model or with
 llama.cpp is reported only.
 
 The run is a sequence of steps, one function each: load the engines (`decode_rig.load_rig`),
 measure the roofline (`Roofline.measure`), open llama.cpp, warm up, decode each workload
-(`_workload_row`), assemble the record (`_record`), append the quality report (`_append_quality`).
+(`_workload_row`), time the passes against the bus (`bus.bus_section`), assemble the record
+(`_record`), append the quality report (`_append_quality`). The `bus` section's schema is in
+`bench.bus`'s docstring.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from agentfold.bench import llamacpp as bench_llamacpp
+from agentfold.bench.bus import bus_section
 from agentfold.bench.busy import busy_row
 from agentfold.bench.decode_rig import Choice, Rig, Roofline, load_rig
 from agentfold.bench.machine import finish_run, machine_info, run_header, utc_timestamp
@@ -323,7 +329,8 @@ def _prefill_row(rig: Rig, tokens: int, machine: dict[str, Any], say: Callable[[
 def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bool, machine: dict[str, Any],
             say: Callable[[str], None], busy: bool = False, prefill: Sequence[int] = ()) -> dict[str, Any]:
     """Every step from the roofline to the last workload, and the record they make (quality not yet in)."""
-    roofline = Roofline.measure(rig, quick, say)
+    threads = int(machine["threads"]["backend"] or machine["cpus_usable"] or os.cpu_count() or 1)
+    roofline = Roofline.measure(rig, quick, say, threads)
     loads = [(w, encode_chat(rig.tokenizer, w["messages"])) for w in workloads(quick)]
     llama, llama_info = _open_llama(rig, loads, max_tokens, machine, say)
     warmup = _warm_up(rig, llama, quick, say)
@@ -335,6 +342,7 @@ def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bo
         busy_machine = {"workload": name, **busy_row(rig.engine, llama, prompt, max_tokens, rig.eos, rows[name], say)}
     if llama is not None:
         llama.close()
+    bus = bus_section(rig, roofline.read, roofline.read_weights_size, threads, quick, say)
     prefill_rows = [_prefill_row(rig, tokens, machine, say) for tokens in prefill]
     result: dict[str, Any] = {
         **run_header(SCHEMA, timestamp, quick, machine),
@@ -348,6 +356,7 @@ def _record(rig: Rig, choice: Choice, timestamp: str, max_tokens: int, quick: bo
         "llama_cpp": llama_info,
         "warmup": warmup,
         "workloads": rows,
+        "bus": bus,
     }
     if busy_machine is not None:
         result["busy_machine"] = busy_machine

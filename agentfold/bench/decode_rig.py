@@ -4,7 +4,8 @@ Every workload of the run goes through the same engines, so they are loaded here
 as `agentfold generate` builds it (`build_engine` with the backend, quant and device asked for),
 its twin with a draft model when one is given, and the float MLX models stock mlx-lm runs. The
 roofline (`Roofline`) puts each rate against the bytes the chosen backend reads per token at the
-copy bandwidth measured in the same run.
+copy bandwidth measured in the same run, and measures the read bandwidth at the backend's threads
+(`bus.read_bandwidth`), the ceiling `bench decode`'s bus section puts a pass's parts against.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentfold.bench.bus import QUICK_READ_REPEATS, READ_REPEATS, read_bandwidth, read_line
 from agentfold.bench.machine import copy_bandwidth, thread_info
 from agentfold.bench.mlx_baseline import float_mlx_model
 from agentfold.bench.weights import backend_bytes, model_bytes, model_path
@@ -60,22 +62,34 @@ class Rig:
 
 @dataclass
 class Roofline:
-    """The copy bandwidth and the rates it allows: the chosen backend's weights, and mlx-lm's float model's."""
+    """The copy bandwidth and the rates it allows (the chosen backend's weights, and mlx-lm's float
+    model's), and the read bandwidth at the backend's threads (`read`: >= 1 GiB, past every cache,
+    with the rate it allows; `read_weights_size`: over as many bytes as a token reads, which a small
+    model's weights may find in the last-level cache)."""
 
     bandwidth: dict[str, Any]
     weights: dict[str, Any]
     mlx_lm_bytes: int
     tps: float = 0.0
     mlx_lm_tps: float = 0.0
+    read: dict[str, Any] = field(default_factory=dict)
+    read_weights_size: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def measure(cls, rig: Rig, quick: bool, say: Callable[[str], None]) -> Roofline:
+    def measure(cls, rig: Rig, quick: bool, say: Callable[[str], None], threads: int = 1) -> Roofline:
+        """Both bandwidths; `threads`: the count the backend decodes with (the read runs on as many)."""
         mlx_lm_bytes, _ = model_bytes(rig.baseline.model)
         say("bench: measuring copy bandwidth")
         bandwidth = copy_bandwidth(megabytes=128 if quick else 256, repeats=2 if quick else 4)
         roofline = cls(bandwidth, rig.weights, mlx_lm_bytes)
         roofline.tps = bandwidth["bandwidth_gbs"] * 1e9 / rig.weights["bytes_per_token"]
         roofline.mlx_lm_tps = bandwidth["bandwidth_gbs"] * 1e9 / mlx_lm_bytes  # a tied float head reads it all
+        repeats = QUICK_READ_REPEATS if quick else READ_REPEATS
+        roofline.read = read_bandwidth(threads, repeats=repeats)
+        say(f"bench: read bandwidth: {read_line(roofline.read)}")
+        token_mib = -(-rig.weights["bytes_per_token"] // (1 << 20))
+        roofline.read_weights_size = read_bandwidth(threads, mebibytes=token_mib, repeats=2 * repeats)
+        say(f"bench: read bandwidth over a token's bytes: {read_line(roofline.read_weights_size)}")
         return roofline
 
     def fraction(self, rate: float | None, mlx_lm: bool = False) -> float | None:
@@ -93,6 +107,10 @@ class Roofline:
             "mlx_lm_tps": round(self.mlx_lm_tps, 3),
             "note": ("one read of the bytes a serial token reads (bytes_per_token, the chosen backend's weights as "
                      "it holds them) at the measured copy bandwidth; mlx_lm's from the float model's bytes"),
+            "read_bandwidth": self.read,
+            "read_bandwidth_weights_size": self.read_weights_size,
+            "read_tps": (round(self.read["best_gbs"] * 1e9 / self.weights["bytes_per_token"], 3)
+                         if self.read.get("best_gbs") else None),
         }
 
 

@@ -171,6 +171,57 @@ def prefill_rate(model_path: Path, ids: Sequence[int], threads: int) -> dict[str
             "n_batch": getattr(llm, "n_batch", None)}
 
 
+
+
+class PassRunner:
+    """llama.cpp passes of a few rows after a fixed context, each from the same cache state.
+
+    The context is evaluated once; before every pass `n_tokens` goes back to it (`Llama.eval` drops
+    the KV cells past `n_tokens` first), as the engine's passes start again after a rollback.
+    `logits_all`: every row's logits are computed and copied out, as a verify pass needs them
+    (llama-cpp-python turns it on for its own prompt-lookup drafting too).
+    """
+
+    def __init__(self, gguf: Path, context: Sequence[int], max_rows: int, threads: int) -> None:
+        import llama_cpp
+
+        self.version = getattr(llama_cpp, "__version__", None)
+        self.threads = threads
+        self.n_ctx = len(context) + max_rows + 8
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=self.n_ctx, n_threads=threads,
+                                   n_threads_batch=threads, logits_all=True, verbose=False)
+        self.llm.eval(list(context))
+        self.base = self.llm.n_tokens
+
+    def seconds(self, rows: Sequence[int]) -> float:
+        """Wall time of one `Llama.eval` of `rows` after the context."""
+        self.llm.n_tokens = self.base
+        began = time.perf_counter()
+        self.llm.eval(list(rows))
+        return time.perf_counter() - began
+
+    def describe(self) -> dict[str, Any]:
+        return {"version": self.version, "threads": self.threads, "logits_all": True, "n_ctx": self.n_ctx}
+
+    def close(self) -> None:
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
+
+
+def open_pass_runner(gguf: Path, context: Sequence[int], max_rows: int,
+                     threads: int) -> tuple[PassRunner | None, dict[str, Any]]:
+    """A `PassRunner` on `gguf` and its description, or None and `{"skipped": why}`."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, {"skipped": NOT_INSTALLED}
+    if gguf.suffix.lower() != ".gguf" or not gguf.is_file():
+        return None, {"skipped": f"{gguf} is not a GGUF file (llama.cpp reads GGUF only)"}
+    try:
+        runner = PassRunner(gguf, context, max_rows, threads)
+    except (ImportError, OSError, RuntimeError, ValueError) as error:
+        return None, {"skipped": f"llama-cpp-python could not load {gguf.name}: {type(error).__name__}: {error}"}
+    return runner, runner.describe()
+
 def perplexity(model_path: Path, tokens: Sequence[int], threads: int) -> dict[str, Any]:
     """llama.cpp's perplexity of `tokens` (our tokenizer's ids, so both score the same tokens): its
     logits for every position (`logits_all`), scored by `bench.quality.nll_sum` as ours are."""

@@ -88,7 +88,8 @@ def thread_info(backend: Any | None = None) -> dict[str, Any]:
             openblas = int(ctypes.CDLL(blas.current().path).openblas_get_num_threads())
         except (OSError, AttributeError):
             openblas = None
-    env = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                                   "AGENTFOLD_AMX")}
     chosen = None
     if backend is not None:
         chosen = torch_threads if getattr(backend, "name", None) == "torch" else openblas

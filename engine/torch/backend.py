@@ -22,7 +22,7 @@ from agentfold.engine.protocol import CacheState, Checkpoint, Lane, prefill_in_c
 from agentfold.engine.torch.models import ops, quantize
 from agentfold.engine.torch.models.cache import LayerCache
 from agentfold.engine.torch.models.llama import SequencePass
-from agentfold.kernels import rowwise, torch_cpu
+from agentfold.kernels import native, rowwise, torch_cpu
 
 _DONE = object()  # what `next` gives once a chunk's layers have all run
 
@@ -39,6 +39,8 @@ class TorchBackend:
         self.device = next(self.model.parameters()).device
         self.vocab_size = int(self.model.args.vocab_size)
         self.quant = resolve_quant(quant, self.device, self.model)
+        if self.device.type == "cpu":
+            native.keep_heap()  # a prefill chunk's buffers reused, not mapped and faulted in per layer
         if self.quant in ("int8", "blocks"):  # (blocks: the loader attached the GGUF's own, `gguf_blocks`)
             quantize.int8_weights(self.model)
             if self.model.model.embed_tokens.weight.dtype == torch.float32:

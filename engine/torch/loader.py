@@ -219,6 +219,7 @@ def _load_gguf(path: Path, dtype: str, target: torch.device, quant: str | None,
     from agentfold.engine.gguf_model import GGUFError, build_tokenizer, open_gguf
     from agentfold.engine.torch import weight_cache
     from agentfold.engine.torch.models import gguf_blocks, quantize
+    from agentfold.engine.torch.models.qwen3_moe import moe_blocks
 
     if quant in ("auto", "blocks"):  # (None off the CPU: see load_torch_model)
         try:
@@ -242,10 +243,11 @@ def _load_gguf(path: Path, dtype: str, target: torch.device, quant: str | None,
     model = build_model(config, weights, DTYPES[dtype], target)
     del weights
     if int8:
-        say("rounding the weights to int8 (once: kept in the weight cache for later starts)")
+        cacheable = weight_cache.enabled() and not moe_blocks(model)  # (it holds parameters; routed experts are not)
+        say(f"rounding the weights to int8{' (once: kept in the weight cache for later starts)' if cacheable else ''}")
         parts: dict[str, Any] = {}
         quantize.int8_weights(model, record=parts)
-        if weight_cache.enabled():
+        if cacheable:
             folder = weight_cache.store(weight_cache.cache_key(path, dtype), model, parts, config, tokenizer, path)
             say(f"converted weights kept in {folder}" if folder else "the weight cache could not be written")
     return model, config, tokenizer

@@ -829,7 +829,8 @@ static void attend_task(const float *q, int64_t q_stride, int64_t group, float *
  * A lane of a prefill chunk with many rows (`matrix_rows`, set by the caller only for prompt chunks
  * cut at the prefill plan's boundaries) attends on the tiles where the CPU has AMX-BF16 and the
  * process may use them: the scores Q K^T and the weighted sums P V as tile products (tdpbf16ps:
- * products of bfloat16 pairs summed into float32), the softmax on vectors (vexp16, as above), keys
+ * products of bfloat16 pairs summed into float32), the softmax on vectors (`matrix_exp`: vexp16's
+ * polynomial in fused multiply-adds), keys
  * by blocks of MK with a running maximum and sum per query (the online softmax). Decode and verify
  * rows, short chunks and every lane of a call without `matrix_rows` keep the vector path above.
  * (512 rows of the coder's heads over 4K-12K keys on a 2-core Sapphire Rapids: ~2.5x less CPU time
@@ -923,7 +924,7 @@ static void attention_task(void *context, int64_t t) {
 }
 
 #if MATRIX
-#define MQ 256      /* queries per tile task (16 tiles of 16) */
+#define MQ 512      /* queries per tile task (32 tiles of 16; 256: each block's keys and values converted twice as often, ~5% slower at 12K) */
 #define MK 128      /* keys per block of the online softmax (8 tiles of 16, 4 steps of 32) */
 #define MAX_D 256   /* head sizes the tiles take: multiples of 32 up to this */
 
@@ -967,7 +968,7 @@ struct matrix_buffers {
     uint8_t *live;
 };
 
-/* Each thread's buffers (~0.8 MB at d 128), kept between calls (a prefill runs this every layer)
+/* Each thread's buffers (~1.3 MB at d 128), kept between calls (a prefill runs this every layer)
  * and freed when the thread ends. */
 static __thread char *matrix_memory;
 static __thread size_t matrix_memory_size;
@@ -1140,9 +1141,31 @@ static inline void sums_unit(const struct group_state *g, int64_t pair, int64_t 
     }
 }
 
+/* exp(x) for x <= 0 in the tiles' softmax (Cephes expf's reduction and polynomial, as vexp16, in fused
+ * multiply-adds, 2^n by vscalefps: about half vexp16's operations; other bits than it, which this
+ * path's rows never share): 0 below -87 and for -inf and NaN. Lane-wise, so a weight's bits depend
+ * on its score alone. */
+static inline __m512 matrix_exp(__m512 x) {
+    const __m512 floor_ = _mm512_set1_ps(-87.0f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, floor_, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, floor_); /* (NaN: the second operand) */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
 /* The softmax update of query i for the block (where it sees one of its keys; else not `live`, and
  * its running maximum, sum and outputs stay as they are): its scores (of the scaled query; -inf
- * where it does not see the key), the block's largest, the weights exp(score - largest) (vexp16) as bf16 hi /
+ * where it does not see the key), the block's largest, the weights exp(score - largest) (matrix_exp) as bf16 hi /
  * lo, alpha = exp(old largest - new), sum = sum alpha + the weights' sum. */
 static inline void softmax_row(const struct group_state *g, int64_t i) {
     const struct matrix_buffers *b = g->b;
@@ -1169,16 +1192,17 @@ static inline void softmax_row(const struct group_state *g, int64_t i) {
     float block_top = _mm512_reduce_max_ps(top), largest = block_top > b->top[i] ? block_top : b->top[i];
     vf shift = splat(largest);
     for (int64_t h = 0; h < MK / W; h += 2) {
-        vf e0 = vexp16(load(row + h * W) - shift), e1 = vexp16(load(row + h * W + W) - shift);
-        part = _mm512_add_ps(part, (__m512)e0);
-        part = _mm512_add_ps(part, (__m512)e1);
+        __m512 e0 = matrix_exp(_mm512_sub_ps(_mm512_load_ps(row + h * W), (__m512)shift));
+        __m512 e1 = matrix_exp(_mm512_sub_ps(_mm512_load_ps(row + h * W + W), (__m512)shift));
+        part = _mm512_add_ps(part, e0);
+        part = _mm512_add_ps(part, e1);
         __m512i hi, lo;
-        split((__m512)e0, (__m512)e1, &hi, &lo);
+        split(e0, e1, &hi, &lo);
         _mm512_store_si512(b->p_hi + i * MK + h * W, hi);
         _mm512_store_si512(b->p_lo + i * MK + h * W, lo);
     }
     /* exp(old - new): 0 on the first block (-inf), exactly 1 where the largest is unchanged */
-    float alpha = largest == b->top[i] ? 1.0f : vexp16(splat(b->top[i] - largest))[0];
+    float alpha = largest == b->top[i] ? 1.0f : _mm512_cvtss_f32(matrix_exp(_mm512_set1_ps(b->top[i] - largest)));
     b->alpha[i] = alpha;
     b->sum[i] = b->sum[i] * alpha + _mm512_reduce_add_ps(part);
     b->top[i] = largest;

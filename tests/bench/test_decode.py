@@ -15,11 +15,12 @@ from agentfold.bench import llamacpp as bench_llamacpp
 from agentfold.bench.decode import bench_decode
 from agentfold.bench.llamacpp import NOT_INSTALLED
 from agentfold.bench.prompts import CODE_EDIT_WINDOW, code_edit_source, workloads
+from tests.bench.test_bus import check_one_row_pass, check_pass_widths
 
 TOP_KEYS = {
     "schema", "timestamp", "duration_seconds", "quick", "max_tokens", "sampling", "machine", "versions", "blas",
     "backend", "model", "draft_model", "exactness", "roofline", "baseline", "llama_cpp", "warmup", "workloads",
-    "summary", "quality",
+    "summary", "quality", "bus",
 }
 MACHINE_KEYS = {"platform", "machine", "processor", "cpu_model", "cpu_count", "cpus_usable", "threads", "memory_bytes",
                 "memory_gb", "loadavg_start", "loadavg_end"}
@@ -30,7 +31,10 @@ MODEL_KEYS = {"path", "name", "dtype", "model_type", "parameters", "bytes", "loa
 EXACTNESS_KEYS = {"max_width", "drafting", "checked_widths", "checked", "max_abs_diff", "pass_seconds", "seconds",
                   "describe"}
 ROOFLINE_KEYS = {"method", "array_mb", "repeats", "best_seconds", "bandwidth_gbs", "model_bytes", "bytes_per_token",
-                 "bytes_basis", "tps", "mlx_lm_bytes_per_token", "mlx_lm_tps", "note"}
+                 "bytes_basis", "tps", "mlx_lm_bytes_per_token", "mlx_lm_tps", "note", "read_bandwidth",
+                 "read_bandwidth_weights_size", "read_tps"}
+READ_KEYS = {"method", "threads", "array_bytes", "repeats", "seconds", "best_seconds", "median_seconds", "best_gbs",
+             "median_gbs", "last_level_cache_bytes"}
 WORKLOAD_KEYS = {
     "description", "prompt_tokens", "max_tokens", "serial_tps", "drafted_tps", "speedup", "tokens_per_pass",
     "drafted_tps_decodestats", "acceptance_rate", "drafted", "accepted", "accepted_per_position", "identical",
@@ -94,6 +98,20 @@ def test_bench_decode_quick_writes_complete_json(tmp_path):
     roofline = on_disk["roofline"]
     assert roofline["bandwidth_gbs"] > 0 and roofline["tps"] > 0 and roofline["mlx_lm_tps"] > 0
     assert 0 < roofline["bytes_per_token"] <= roofline["model_bytes"] and roofline["bytes_basis"].startswith(backend["name"])
+    read, read_small = roofline["read_bandwidth"], roofline["read_bandwidth_weights_size"]
+    assert not _missing(READ_KEYS, read) and not _missing(READ_KEYS, read_small)
+    assert read["array_bytes"] >= 1 << 30 and read["best_gbs"] >= read["median_gbs"] > 0  # >= 1 GiB, past the caches
+    assert len(read["seconds"]) == read["repeats"] >= 3 and read_small["best_gbs"] > 0
+    assert read_small["array_bytes"] >= roofline["bytes_per_token"] and roofline["read_tps"] > 0
+    bus = on_disk["bus"]  # the engine against the bus: a one-row pass part by part, passes of 1-16 rows
+    assert bus["read_gbs"] == read["best_gbs"] and bus["threads"] == read["threads"] >= 1
+    assert bus["read_gbs_weights_size"] == read_small["best_gbs"]
+    check_one_row_pass(bus["one_row_pass"], backend["name"])
+    check_pass_widths(bus["pass_widths"])
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert bus["pass_widths"]["llama_cpp"] == {"skipped": NOT_INSTALLED}
+    assert any("read bandwidth" in line for line in lines) and any("one-row pass" in line for line in lines)
+    assert any("pass widths" in line for line in lines)
     if importlib.util.find_spec("llama_cpp") is None:
         assert on_disk["llama_cpp"] == {"skipped": NOT_INSTALLED}
     targets = on_disk["summary"]["targets"]
@@ -137,9 +155,12 @@ REPLY = [5, 6, 7, 5, 6, 7, 9, 2, 11]  # 2 is the end-of-sequence token
 
 
 class Llama:
-    def __init__(self, model_path, n_ctx=512, n_threads=None, n_threads_batch=None, draft_model=None, verbose=True):
+    def __init__(self, model_path, n_ctx=512, n_threads=None, n_threads_batch=None, draft_model=None,
+                 logits_all=False, verbose=True):
         self.model_path, self.draft_model, self.n_ctx = model_path, draft_model, n_ctx
+        self.logits_all = logits_all
         self.closed = False
+        self.n_tokens = 0
 
     def token_eos(self):
         return 2
@@ -158,8 +179,9 @@ class Llama:
     n_batch = 512
 
     def eval(self, tokens):
-        assert 0 < len(tokens) <= self.n_ctx
+        assert 0 < len(tokens) <= self.n_ctx - self.n_tokens  # (a pass not rolled back runs out of room)
         self.evaluated = list(tokens)
+        self.n_tokens += len(tokens)
 """
 FAKE_SPECULATIVE = """
 class LlamaPromptLookupDecoding:
@@ -211,6 +233,16 @@ def test_llama_cpp_row_with_a_stand_in_binding(tmp_path, stand_in_llama_cpp):
     prefill = bench_llamacpp.prefill_rate(gguf, list(range(3, 40)), threads=2)
     assert prefill["tokens"] == 37 and prefill["tps"] > 0 and prefill["n_batch"] == 512
     assert "not a GGUF file" in bench_llamacpp.prefill_rate(folder, [1, 2], threads=2)["skipped"]
+
+    # the bus section's passes: every one from the context again, all rows' logits
+    passes, described = bench_llamacpp.open_pass_runner(gguf, list(range(3, 20)), max_rows=16, threads=2)
+    assert described == {"version": "0.0-fake", "threads": 2, "logits_all": True, "n_ctx": 17 + 16 + 8}
+    assert passes.llm.logits_all is True and passes.base == 17
+    for width in (16, 1, 16, 4):
+        assert passes.seconds(list(range(width))) >= 0 and passes.llm.n_tokens == 17 + width
+    passes.close()
+    assert passes.llm.closed
+    assert "not a GGUF file" in bench_llamacpp.open_pass_runner(folder, [1], 1, threads=2)[1]["skipped"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed")

@@ -9,12 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agentfold.engine.decode import GenerationConfig
-from agentfold.engine.factory import build_engine
 from agentfold.engine.torch.backend import TorchBackend
 from agentfold.engine.torch.loader import ModelLoadError, load_torch_model
 from agentfold.engine.torch.models.llama import MLP_ROWS
 from agentfold.kernels import block_linear
+from tests.helpers.exactness_checks import assert_blocks_engine_drafts_exactly, assert_pass_rows_equal_one_row_steps
 from tests.helpers.gguf_files import tiny_tokenizer_fields, write_tiny_model
 
 pytestmark = pytest.mark.skipif(not block_linear.supported("Q4_K", 256), reason="no C compiler: no block kernels")
@@ -58,12 +57,7 @@ def test_a_pass_rows_equal_one_row_passes(tmp_path: Path, kind: str):
     by one, bit for bit (the engine's verify rows rely on it)."""
     path = tiny(tmp_path, "qwen2", kind)
     backend = TorchBackend(load_torch_model(path, device="cpu", quant="blocks"), quant="blocks")
-    whole = backend.forward(PROMPT, backend.new_cache())
-    cache = backend.new_cache()
-    backend.forward(PROMPT[:9], cache)
-    rows = np.concatenate([backend.forward([token], cache) for token in PROMPT[9:]])
-    assert whole.shape == (len(PROMPT), rows.shape[1])
-    assert np.array_equal(whole[9:], rows)
+    assert_pass_rows_equal_one_row_steps(backend, PROMPT)
 
 
 def test_a_long_pass_split_for_its_mlp_keeps_every_bit(tmp_path: Path):
@@ -82,15 +76,8 @@ def test_a_long_pass_split_for_its_mlp_keeps_every_bit(tmp_path: Path):
 
 
 def test_drafted_equals_serial_with_drafts_verified(tmp_path: Path):
-    path = tiny(tmp_path, "qwen2", "Q4_K")
-    engine = build_engine(path, backend="torch", device="cpu", quant="blocks",
-                          verdicts=tmp_path / "verdicts" / "backends.json")
-    assert engine.exactness.max_width > 1
-    prompt = PROMPT * 4
-    serial = engine.generate(prompt, GenerationConfig(max_tokens=40, draft=False))
-    drafted = engine.generate(prompt, GenerationConfig(max_tokens=40, draft=True))
-    assert drafted.stats.drafted > 0
-    assert drafted.tokens == serial.tokens
+    assert_blocks_engine_drafts_exactly(tiny(tmp_path, "qwen2", "Q4_K"), tmp_path / "verdicts" / "backends.json",
+                                        PROMPT * 4, 40)
 
 
 def test_a_type_without_kernel_falls_back_or_says_so(tmp_path: Path):

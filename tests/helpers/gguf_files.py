@@ -6,7 +6,8 @@ quantize that type, else random blocks (any bytes are valid blocks; the high byt
 writes a small model of a real architecture (llama, qwen2, gemma3) whose linear weights are one
 ggml type, with SmolLM2's tokenizer metadata, as llama.cpp's converter lays it out: q / k rows
 permuted for llama (`llamacpp_permute`, written here from convert_hf_to_gguf.py's definition, not
-from our loader), Gemma's norms stored as 1 + w.
+from our loader), Gemma's norms stored as 1 + w. `write_tiny_qwen3moe` writes a Qwen3-MoE with
+mixed types and its experts as 3-D tensors.
 """
 
 from __future__ import annotations
@@ -141,6 +142,77 @@ def write_tiny_model(path: Path, arch: str, kind: str, tokenizer: dict[str, Any]
             for part, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim),
                                ("attn_v", kv_heads * head_dim)):
                 add(writer, f"blk.{i}.{part}.bias", (rng.standard_normal(rows) * 0.02).astype(np.float32), "F32")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# The ggml types of a tiny qwen3moe file's weights, per layer where they vary: the experts of one
+# layer mix three types (gate and up, which run as one GEMM, differ), as llama.cpp's Q4_K_M mixes
+# Q4_K and Q6_K. Attention's output projection reads heads * head_dim = 128 values a row: Q8_0.
+QWEN3MOE_TYPES = {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K",
+                  "attn_output": "Q8_0", "ffn_gate_inp": "F32"}
+QWEN3MOE_EXPERT_TYPES = [{"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q6_K", "ffn_down_exps": "Q8_0"},
+                         {"ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K"}]
+
+
+def write_tiny_qwen3moe(path: Path, tokenizer: dict[str, Any], seed: int = 0, hidden: int = 256, layers: int = 2,
+                        heads: int = 4, kv_heads: int = 2, head_dim: int = 32, experts: int = 8, used: int = 2,
+                        expert_inner: int = 256, router_scale: float = 0.5,
+                        expert_types: list[dict[str, str]] | None = None) -> Path:
+    """A small Qwen3-MoE as llama.cpp's converter lays it out (gguf-py's `qwen3moe` tensors and keys):
+    per layer q / k / v / output, q / k norms [head_dim], the router `ffn_gate_inp` [experts, hidden]
+    in F32 (llama.cpp never quantizes it), and each projection's experts as one 3-D tensor
+    `ffn_{gate,up,down}_exps` [experts, rows, cols] (numpy order). head_dim is set apart from
+    hidden / heads (key_length), as in Qwen3-30B-A3B. `router_scale`: the router's weights, large
+    enough that tokens spread over the experts with clear winners. `expert_types`: the experts'
+    types per layer (cycled; default QWEN3MOE_EXPERT_TYPES)."""
+    expert_types = expert_types or QWEN3MOE_EXPERT_TYPES
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(layers)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(3 * expert_inner)  # the checkpoint's dense width: no layer uses it
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(used)
+    writer.add_expert_feed_forward_length(expert_inner)
+    for key, value in tokenizer.items():
+        _add_field(writer, key, value)
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + rng.standard_normal(n) * 0.1).astype(np.float32)
+
+    def weight(name: str, part: str, rows: int, cols: int, scale: float = 0.05) -> None:
+        kind = QWEN3MOE_TYPES[part]
+        add(writer, name, block_bytes(kind, rows, cols, rng, scale), kind)
+
+    weight("token_embd.weight", "token_embd", vocab, hidden, 0.5)
+    for i in range(layers):
+        add(writer, f"blk.{i}.attn_norm.weight", norm(hidden), "F32")
+        for part, rows, cols in (("attn_q", heads * head_dim, hidden), ("attn_k", kv_heads * head_dim, hidden),
+                                 ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, heads * head_dim)):
+            weight(f"blk.{i}.{part}.weight", part, rows, cols)
+        add(writer, f"blk.{i}.attn_q_norm.weight", norm(head_dim), "F32")
+        add(writer, f"blk.{i}.attn_k_norm.weight", norm(head_dim), "F32")
+        add(writer, f"blk.{i}.ffn_norm.weight", norm(hidden), "F32")
+        weight(f"blk.{i}.ffn_gate_inp.weight", "ffn_gate_inp", experts, hidden, router_scale)
+        for part, (rows, cols) in (("ffn_gate_exps", (expert_inner, hidden)), ("ffn_up_exps", (expert_inner, hidden)),
+                                   ("ffn_down_exps", (hidden, expert_inner))):
+            kind = expert_types[i % len(expert_types)][part]
+            data = block_bytes(kind, experts * rows, cols, rng)
+            add(writer, f"blk.{i}.{part}.weight", data.reshape(experts, rows, -1), kind)
+    add(writer, "output_norm.weight", norm(hidden), "F32")
+    weight("output.weight", "output", vocab, hidden)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

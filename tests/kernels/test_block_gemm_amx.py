@@ -129,3 +129,37 @@ def test_a_row_is_the_same_on_tiles_or_alone(lib):
 
 def test_describe_names_the_tiles(lib):
     assert block_linear.describe()["block_gemm"].endswith("avx2+vnni+amx")
+
+
+def test_agentfold_amx_0_keeps_a_process_off_the_tiles(lib):
+    """AGENTFOLD_AMX=0 (what the benchmark sets to measure a CPU without AMX on this one): the same
+    library in a fresh process reports no tiles for the linears or the prefill attention, a prefill
+    chunk's call runs on the VNNI kernels (the tiles' call counter stays 0) with the same bits, and
+    the attention kernel's name (part of snapshot keys) says which path ran."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import json, torch
+from agentfold.kernels import block_linear, torch_cpu
+from tests.kernels.test_block_gemm import weight
+lib = block_linear.library()
+gemm = block_linear.BlockLinear([weight("Q4_K", 40, 512, 3)[0]])
+x = torch.randn(48, 512, generator=torch.Generator().manual_seed(5))
+out = gemm.linear(x, threads=2)
+print(json.dumps({"amx": lib.block_gemm_amx(), "calls": lib.block_gemm_amx_calls(),
+                  "attention": torch_cpu.attention_kernel(), "sum": out.double().sum().item(),
+                  "bits": out.view(torch.int32).sum().item()}))
+"""
+    runs = {}
+    for value in ("1", "0"):
+        env = {**os.environ, "AGENTFOLD_AMX": value}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[value] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs["1"]["amx"] == 1 and runs["1"]["calls"] >= 1
+    assert runs["0"]["amx"] == 0 and runs["0"]["calls"] == 0
+    assert "amx" not in runs["0"]["attention"] and runs["0"]["attention"] != runs["1"]["attention"]
+    assert runs["0"]["bits"] == runs["1"]["bits"] and runs["0"]["sum"] == runs["1"]["sum"]

@@ -8,7 +8,8 @@ about its own size in memory, and a token reads the bytes llama.cpp reads.
 
 Used where every linear weight's type has a block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
 Q6_K); a tied output head whose type has none is rounded to int8 as before. Other files take the
-int8 path (`quantize.int8_weights`, through the converted-weights cache).
+int8 path (`quantize.int8_weights`, through the converted-weights cache). Qwen3-MoE's routed experts
+run on their blocks too, and its router in float where the file keeps it so (`moe_blocks`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from torch import nn
 
 from agentfold.engine.gguf_model import GGUFModel
 from agentfold.engine.torch.models import build as build_model
+from agentfold.engine.torch.models import moe_blocks
 from agentfold.engine.torch.models.llama import MLP, Attention, Fused, Linear, Transformer, attach_layer_kernels
+from agentfold.engine.torch.models.qwen3_moe import MoEBlock
 from agentfold.kernels import block_linear
 from agentfold.kernels.block_linear import BlockLinear, BlockWeight
 from agentfold.kernels.int8_linear import quantize_weight
@@ -70,9 +73,12 @@ def block_weight(model: GGUFModel, hf_name: str) -> BlockWeight | None:
 
 
 def unsupported_types(model: GGUFModel) -> list[str]:
-    """The types of the linear weights no block kernel runs here (empty: the model runs on its blocks)."""
-    return sorted({model.source_type(name) for name in _linear_names(model.config)
-                   if name in model.names and not block_weight_ok(model, name)})
+    """The types of the linear weights no block kernel runs here (empty: the model runs on its blocks).
+    MoE routers do not count: one whose type has no block kernel runs in float."""
+    linears, routers = _linear_names(model.config)
+    found = {model.source_type(name) for name in linears
+             if name in model.names and name not in routers and not block_weight_ok(model, name)}
+    return sorted(found | moe_blocks.unsupported_expert_types(model))
 
 
 def block_weight_ok(model: GGUFModel, hf_name: str) -> bool:
@@ -80,20 +86,28 @@ def block_weight_ok(model: GGUFModel, hf_name: str) -> bool:
     return len(info.shape) == 2 and block_linear.supported(info.type_name, info.shape[1])
 
 
-def _linear_names(config: dict[str, Any]) -> list[str]:
+def _linear_names(config: dict[str, Any]) -> tuple[list[str], set[str]]:
+    """The weight names of the config's linear layers, and which of them are MoE routers."""
     with torch.device("meta"):
         skeleton = build_model(config)
-    return [f"{name}.weight" for name, module in skeleton.named_modules() if isinstance(module, Linear)]
+    return ([f"{name}.weight" for name, module in skeleton.named_modules() if isinstance(module, Linear)],
+            _router_weights(skeleton))
+
+
+def _router_weights(net: nn.Module) -> set[str]:
+    return {f"{name}.gate.weight" for name, module in net.named_modules() if isinstance(module, MoEBlock)}
 
 
 def load(model: GGUFModel, dtype: torch.dtype) -> nn.Module:
     """The torch model of `model`'s config with block linears, a block embedding and float norms."""
     net = build_model(model.config)
     linears = {name: module for name, module in net.named_modules() if isinstance(module, Linear)}
+    routers = _router_weights(net)
     params = dict(net.named_parameters())
     for hf_name in model.names:
         module_name = hf_name.rsplit(".", 1)[0]
-        if hf_name == EMBEDDING or (module_name in linears and hf_name.endswith(".weight")):
+        if hf_name == EMBEDDING or (module_name in linears and hf_name.endswith(".weight")) or \
+                moe_blocks.is_expert_tensor(hf_name):
             continue
         if hf_name not in params:
             raise ValueError(f"{hf_name}: not a parameter of the {model.config['model_type']} model")
@@ -101,11 +115,17 @@ def load(model: GGUFModel, dtype: torch.dtype) -> nn.Module:
     total = 0
     for name, linear in linears.items():
         weight = block_weight(model, f"{name}.weight")
+        if weight is None and f"{name}.weight" in routers:  # a float router: its own rows, in float
+            parent, _, attribute = name.rpartition(".")
+            values = torch.from_numpy(np.ascontiguousarray(model.tensor(f"{name}.weight")))
+            setattr(net.get_submodule(parent), attribute, moe_blocks.float_router(values, dtype))
+            continue
         if weight is None:
             raise ValueError(f"{name}: no block kernel for {model.source_type(name + '.weight')}")
         linear.quantized = BlockLinear([weight])
         linear.weight = nn.Parameter(torch.empty(0, weight.k), requires_grad=False)
         total += weight.nbytes()
+    total += moe_blocks.attach_experts(net, model)
     _fuse(net)
     if isinstance(net, Transformer):
         attach_layer_kernels(net)

@@ -35,20 +35,18 @@ class ExpertWeights:
         return self.gate_proj.shape[0]
 
 
-class ReferenceExperts:
-    """Routed experts through the row-exact `ops.linear`, grouped by expert.
+class GroupedExperts:
+    """Routed experts computed expert by expert over the rows routed to each, then combined.
 
-    The rows sent to one expert are a subset of the pass, and `ops.linear` gives each row the
-    bits of a one-row call; each token's k outputs are then weighted and summed in slot order.
+    A subclass says how one expert maps its rows (`expert`); that must give each row the bits of
+    a one-row call (the rows sent to an expert are whatever subset of the pass routed there).
+    Each token's k outputs are then weighted and summed in slot order, never in the order the
+    experts ran, so a row's result does not depend on which other tokens share the pass.
     """
 
-    def __init__(self, weights: ExpertWeights) -> None:
-        self.weights = weights
-
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        w = self.weights
-        gate, up, down = (p[e].to(x.device, x.dtype) for p in (w.gate_proj, w.up_proj, w.down_proj))
-        return ops.linear(ops.silu_mul(ops.linear(x, gate), ops.linear(x, up)), down)
+        """Expert `e`'s output rows for input rows x [m, H]."""
+        raise NotImplementedError
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
@@ -61,6 +59,18 @@ class ReferenceExperts:
         for j in range(1, k):
             total = total + gates[:, j : j + 1] * outputs[:, j]
         return total.to(x.dtype)
+
+
+class ReferenceExperts(GroupedExperts):
+    """Float experts (`ExpertWeights`) through the row-exact `ops.linear`."""
+
+    def __init__(self, weights: ExpertWeights) -> None:
+        self.weights = weights
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        gate, up, down = (p[e].to(x.device, x.dtype) for p in (w.gate_proj, w.up_proj, w.down_proj))
+        return ops.linear(ops.silu_mul(ops.linear(x, gate), ops.linear(x, up)), down)
 
 
 class MoEBlock(nn.Module):
