@@ -2,6 +2,8 @@
 
 - Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (unterminated at
   the reply's end still counts when its JSON is complete);
+- Qwen3-Coder: `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`
+  (`xml_calls`);
 - Llama 3.x: `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`;
 - Gemma: a ```tool_code block holding a Python call, `Read(file_path="a.py")`, or JSON;
 - what small models fall back to: a JSON object naming a declared tool, with `arguments` or
@@ -31,6 +33,7 @@ from typing import Any
 
 from agentfold.chat.call_check import DeclaredTools
 from agentfold.chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall
+from agentfold.chat.xml_calls import is_xml_body, xml_calls
 
 NO, WAIT = "no", "wait"
 PYTHON_TAG = "<|python_tag|>"
@@ -109,7 +112,10 @@ def body_call(body: str, tools: DeclaredTools) -> ToolCall | None:
 
 def body_calls(body: str, tools: DeclaredTools) -> list[ToolCall]:
     """The calls of a tag block's body: one object (also fenced, also with text around it), a list
-    of call objects, or several objects one after another; [] when any of them is no call."""
+    of call objects, several objects one after another, or Qwen3-Coder's `<function=...>` blocks
+    (`xml_calls`); [] when any of them is no call."""
+    if is_xml_body(body):
+        return xml_calls(body, tools)
     text = body.strip()
     if text.startswith(FENCE):
         text = text.strip("`").removeprefix("json").strip()

@@ -65,6 +65,16 @@ CASES = [
      [("Bash", {"command": "ls"}), ("Bash", {"command": "pwd"})]),  # Llama 3.x, `;` between calls
     ('[{"name": "Bash", "arguments": {"command": "ls"}}, {"name": "Write", "arguments": {}}]', "",
      [("Bash", {"command": "ls"})]),  # a list of calls: the undeclared one is dropped, not made a call
+    # Qwen3-Coder's XML form (its chat template's rendering of a call), values read by the schema's types
+    ('<tool_call>\n<function=Read>\n<parameter=file_path>\nnotes.txt\n</parameter>\n<parameter=limit>\n3\n'
+     '</parameter>\n</function>\n</tool_call>', "", [("Read", {"file_path": "notes.txt", "limit": 3})]),
+    ('Running it.\n<tool_call>\n<function=Bash>\n<parameter=command>\nls -la\necho "done"\n</parameter>\n'
+     '<parameter=timeout>\n1.5\n</parameter>\n</function>\n<function=ReadyCheck>\n</function>\n</tool_call>',
+     "Running it.", [("Bash", {"command": 'ls -la\necho "done"', "timeout": 1.5}), ("ReadyCheck", {})]),
+    ('<tool_call>\n<function=Bash>\n<parameter=command>\n{"a": 1}\n</parameter>\n</function>\n</tool_call>', "",
+     [("Bash", {"command": '{"a": 1}'})]),  # a string parameter stays text, JSON-looking or not
+    ('<tool_call>\n<function=Read>\n<parameter=file_path>\nz.py\n</parameter>\n</function>', "",
+     [("Read", {"file_path": "z.py"})]),  # unterminated at the reply's end, the block complete
     # text, never a call
     ('[{"name": "Write", "arguments": {}}]', '[{"name": "Write", "arguments": {}}]', []),  # names no declared tool
     ("[1, 2, 3] and [{\"id\": 1}]", "[1, 2, 3] and [{\"id\": 1}]", []),
@@ -83,6 +93,15 @@ CASES = [
     ("Use `{` and ``` freely, and <b>tags</b>; {\"name\": 1}.", "Use `{` and ``` freely, and <b>tags</b>; {\"name\": 1}.",
      []),
     ("text <tool_c", "text <tool_c", []),
+    ('<tool_call>\n<function=Write>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>',
+     '<tool_call>\n<function=Write>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>', []),  # undeclared
+    ('<tool_call>\n<function=Read>\n<parameter=file_path>\na.py\n</parameter>\n<parameter=limit>\nten\n'
+     '</parameter>\n</function>\n</tool_call>',
+     '<tool_call>\n<function=Read>\n<parameter=file_path>\na.py\n</parameter>\n<parameter=limit>\nten\n'
+     '</parameter>\n</function>\n</tool_call>', []),  # an integer parameter that is not one: the schema refuses
+    ('<tool_call>\n<function=Read>\n<parameter=file_path>\na.py\n</parameter>\nstray\n</function>\n</tool_call>',
+     '<tool_call>\n<function=Read>\n<parameter=file_path>\na.py\n</parameter>\nstray\n</function>\n</tool_call>',
+     []),  # anything but parameters inside a function block
 ]
 
 
