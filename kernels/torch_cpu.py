@@ -86,7 +86,8 @@ def _batched(m: int) -> bool:
     return m == 1 or m > PER_ROW_LIMIT or getattr(_PREFILL, "on", False)
 
 
-def _mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def aligned_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ weight [n, k].T with x's rows at a 64-byte aligned address (a copy where they are not)."""
     if x.data_ptr() % 64:  # a GEMM's arithmetic may depend on alignment: give it aligned rows
         x = x.clone(memory_format=torch.contiguous_format)
     return torch.mm(x, weight.t())
@@ -99,10 +100,10 @@ def block_rows(weight: torch.Tensor) -> int:
     key = (n, k, weight.dtype, weight.stride(), torch.get_num_threads())
     if key not in _BLOCK_ROWS:
         probe = torch.randn(PROBE_ROWS, k, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        single = [_mm(probe[i : i + 1].clone(), weight) for i in range(PROBE_ROWS)]
+        single = [aligned_mm(probe[i : i + 1].clone(), weight) for i in range(PROBE_ROWS)]
         rows = 1
         for m in range(2, PROBE_ROWS + 1):
-            out = _mm(probe[:m].clone(), weight)
+            out = aligned_mm(probe[:m].clone(), weight)
             if not all(torch.equal(out[i : i + 1], single[i]) for i in range(m)):
                 break
             rows = m
@@ -114,11 +115,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ weight[n, k].T, in blocks no taller than `block_rows(weight)` (row-exact)."""
     m = x.shape[0]
     if _batched(m):
-        return _mm(x, weight)
+        return aligned_mm(x, weight)
     step = block_rows(weight)
     if m <= step:
-        return _mm(x, weight)
-    return torch.cat([_mm(x[i : i + step], weight) for i in range(0, m, step)])
+        return aligned_mm(x, weight)
+    return torch.cat([aligned_mm(x[i : i + step], weight) for i in range(0, m, step)])
 
 
 def rows_alike(m: int, d: int, transcendental: bool) -> bool:

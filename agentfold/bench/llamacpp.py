@@ -171,8 +171,6 @@ def prefill_rate(model_path: Path, ids: Sequence[int], threads: int) -> dict[str
             "n_batch": getattr(llm, "n_batch", None)}
 
 
-
-
 class PassRunner:
     """llama.cpp passes of a few rows after a fixed context, each from the same cache state.
 
@@ -221,6 +219,7 @@ def open_pass_runner(gguf: Path, context: Sequence[int], max_rows: int,
     except (ImportError, OSError, RuntimeError, ValueError) as error:
         return None, {"skipped": f"llama-cpp-python could not load {gguf.name}: {type(error).__name__}: {error}"}
     return runner, runner.describe()
+
 
 def perplexity(model_path: Path, tokens: Sequence[int], threads: int) -> dict[str, Any]:
     """llama.cpp's perplexity of `tokens` (our tokenizer's ids, so both score the same tokens): its

@@ -190,16 +190,22 @@ def _json_call(text: str, j: int, tools: DeclaredTools, final: bool, memo: dict[
                any_name: bool = False) -> Answer:
     """A JSON object at `j` that first names a declared tool (`any_name`: after `<|python_tag|>`,
     where the tag says a call follows, the name may come anywhere in it)."""
-    if not any_name:
-        head = _head(text, j, tools)
-        if head != "yes":
-            return NO if final else head
-    closed = _closed_json(text, j, final, memo)
+    closed = _closed_json(text, j, final, memo) if any_name else _declared_json(text, j, j, tools, final, memo)
     if not isinstance(closed, tuple):
         return closed
     value, end = closed
     call = object_call(value, tools)
     return Found([call], end) if call is not None else NO
+
+
+def _declared_json(text: str, head_at: int, j: int, tools: DeclaredTools, final: bool,
+                   memo: dict[Any, Any]) -> tuple[Any, int] | str:
+    """`_closed_json` of the value opening at `j`, where the object at `head_at` first names a
+    declared tool; else NO, or WAIT while more text may still name one."""
+    head = _head(text, head_at, tools)
+    if head != "yes":
+        return NO if final else head
+    return _closed_json(text, j, final, memo)
 
 
 def _closed_json(text: str, j: int, final: bool, memo: dict[Any, Any]) -> tuple[Any, int] | str:
@@ -223,10 +229,7 @@ def _json_list(text: str, j: int, tools: DeclaredTools, final: bool, memo: dict[
         return NO if final else WAIT
     if text[k] != "{":
         return NO
-    head = _head(text, k, tools)
-    if head != "yes":
-        return NO if final else head
-    closed = _closed_json(text, j, final, memo)
+    closed = _declared_json(text, k, j, tools, final, memo)
     if not isinstance(closed, tuple):
         return closed
     values, end = closed

@@ -40,32 +40,40 @@ def is_xml_body(body: str) -> bool:
 
 def xml_calls(body: str, tools: DeclaredTools) -> list[ToolCall]:
     """The calls of a tag body of `<function=...>` blocks, in order; [] when any part is no call."""
-    text, at, calls = body.rstrip(), 0, []
-    while at < len(text):
-        block = _FUNCTION.match(text, at)
-        if block is None:
-            return []
+    calls = []
+    for block in _consecutive(_FUNCTION, body) or ():
         name = block.group(1).strip()
         arguments = _arguments(block.group(2), _properties(tools, name))
         call = tools.call(name, arguments) if arguments is not None else None
         if call is None:
             return []
         calls.append(call)
-        at = block.end()
     return calls
 
 
 def _arguments(inner: str, properties: dict[str, Any]) -> dict[str, Any] | None:
     """A function block's parameters as arguments; None when it holds anything else."""
-    text, at, arguments = inner.rstrip(), 0, {}
-    while at < len(text):
-        parameter = _PARAMETER.match(text, at)
-        if parameter is None:
-            return None
-        key = parameter.group(1).strip()
-        arguments[key] = _value(_unwrapped(parameter.group(2)), properties.get(key))
-        at = parameter.end()
+    parameters = _consecutive(_PARAMETER, inner)
+    if parameters is None:
+        return None
+    arguments = {}
+    for match in parameters:
+        key = match.group(1).strip()
+        arguments[key] = _value(_unwrapped(match.group(2)), properties.get(key))
     return arguments
+
+
+def _consecutive(pattern: re.Pattern[str], text: str) -> list[re.Match[str]] | None:
+    """`pattern`'s matches one after another from the start of `text` to its end (trailing blanks
+    aside); None where anything else lies between or after them."""
+    text, at, found = text.rstrip(), 0, []
+    while at < len(text):
+        match = pattern.match(text, at)
+        if match is None:
+            return None
+        found.append(match)
+        at = match.end()
+    return found
 
 
 def _unwrapped(raw: str) -> str:

@@ -830,9 +830,9 @@ static void attend_task(const float *q, int64_t q_stride, int64_t group, float *
  * cut at the prefill plan's boundaries) attends on the tiles where the CPU has AMX-BF16 and the
  * process may use them: the scores Q K^T and the weighted sums P V as tile products (tdpbf16ps:
  * products of bfloat16 pairs summed into float32), the softmax on vectors (`matrix_exp`: vexp16's
- * polynomial in fused multiply-adds), keys
- * by blocks of MK with a running maximum and sum per query (the online softmax). Decode and verify
- * rows, short chunks and every lane of a call without `matrix_rows` keep the vector path above.
+ * polynomial in fused multiply-adds), keys by blocks of MK with a running maximum and sum per query
+ * (the online softmax). Decode and verify rows, short chunks and every lane of a call without
+ * `matrix_rows` keep the vector path above.
  * (512 rows of the coder's heads over 4K-12K keys on a 2-core Sapphire Rapids: ~2.5x less CPU time
  * than the vector path; about half of it is the tile products, most of the rest the softmax's
  * exponentials, which the tile products hold up rather than overlap.)
@@ -924,7 +924,8 @@ static void attention_task(void *context, int64_t t) {
 }
 
 #if MATRIX
-#define MQ 512      /* queries per tile task (32 tiles of 16; 256: each block's keys and values converted twice as often, ~5% slower at 12K) */
+#define MQ 512      /* queries per tile task (32 tiles of 16; at 256 each block's keys and values were
+                       converted twice as often, ~5% slower at 12K) */
 #define MK 128      /* keys per block of the online softmax (8 tiles of 16, 4 steps of 32) */
 #define MAX_D 256   /* head sizes the tiles take: multiples of 32 up to this */
 
@@ -1165,8 +1166,8 @@ static inline __m512 matrix_exp(__m512 x) {
 
 /* The softmax update of query i for the block (where it sees one of its keys; else not `live`, and
  * its running maximum, sum and outputs stay as they are): its scores (of the scaled query; -inf
- * where it does not see the key), the block's largest, the weights exp(score - largest) (matrix_exp) as bf16 hi /
- * lo, alpha = exp(old largest - new), sum = sum alpha + the weights' sum. */
+ * where it does not see the key), the block's largest, the weights exp(score - largest) (matrix_exp)
+ * as bf16 hi / lo, alpha = exp(old largest - new), sum = sum alpha + the weights' sum. */
 static inline void softmax_row(const struct group_state *g, int64_t i) {
     const struct matrix_buffers *b = g->b;
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};

@@ -70,14 +70,17 @@ def test_disconnect_frees_the_engine_within_one_pass(smollm2_engine, tmp_path):
         runtime = service.runtime
         for path, fields in STREAMS.items():
             cancelled = runtime.counters["cancelled"]
+            turn = None
             with httpx.stream("POST", url + path, json={"model": "m", "stream": True, **fields},
                               timeout=120) as response:
                 assert response.status_code == 200
                 for line in response.iter_lines():
+                    running = runtime.running()  # one read: the list can empty between two calls
+                    turn = turn or (running[0] if running else None)
                     if line.startswith("data: ") and ("delta" in line or "output_text.delta" in line) \
-                            and runtime.running() and runtime.running()[0].passes >= 2:
+                            and turn is not None and turn.passes >= 2:
                         break  # tokens are flowing: hang up
-                turn = runtime.running()[0]
+            assert turn is not None, (path, "the reply ended before the engine was seen running it")
             assert wait_idle(runtime, timeout=60), path
             assert turn.status == "cancelled" and turn.completion is None, path
             assert turn.passes_at_cancel is not None and turn.passes - turn.passes_at_cancel <= 1, (

@@ -25,7 +25,7 @@ from agentfold.engine.gguf_model import GGUFModel
 from agentfold.engine.torch.models import ops
 from agentfold.engine.torch.models.llama import Linear
 from agentfold.engine.torch.models.qwen3_moe import GroupedExperts, MoEBlock, moe_blocks
-from agentfold.kernels import block_linear
+from agentfold.kernels import block_linear, torch_cpu
 from agentfold.kernels.block_linear import BlockLinear, BlockWeight
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -73,14 +73,8 @@ class RowByRowLinear(Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.t()  # [in, out]; contiguous when the weight is stored transposed
-        rows = [torch.mm(_aligned(x[i : i + 1]), weight) for i in range(x.shape[0])]
+        rows = [torch_cpu.aligned_mm(x[i : i + 1].contiguous(), self.weight) for i in range(x.shape[0])]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
-
-
-def _aligned(row: torch.Tensor) -> torch.Tensor:
-    """The row at a 64-byte aligned address, where a BLAS call's arithmetic may depend on it."""
-    return row.clone(memory_format=torch.contiguous_format) if row.data_ptr() % 64 or not row.is_contiguous() else row
 
 
 def float_router(values: torch.Tensor, dtype: torch.dtype) -> RowByRowLinear:
