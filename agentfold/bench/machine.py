@@ -47,6 +47,36 @@ def _processor() -> str:
     return processor
 
 
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                "amx_tile", "amx_int8", "amx_bf16")  # the /proc/cpuinfo flags the kernels choose paths by
+
+
+def cpu_identity(cpuinfo: str | None = None) -> dict[str, Any]:
+    """The first CPU's vendor, family, model and stepping numbers and the vector flags among
+    VECTOR_FLAGS it has (Linux's /proc/cpuinfo, or `cpuinfo` text; empty elsewhere). A VM's model
+    name can be as bare as "AMD EPYC" for both a Zen 3 (family 25, model 1: AVX2 only) and a Zen 4
+    (family 25, model 17: AVX-512 VNNI), whose kernels and figures differ."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+        except OSError:
+            return {}
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    identity: dict[str, Any] = {"vendor": fields.get("vendor_id")}
+    for name, key in (("family", "cpu family"), ("model", "model"), ("stepping", "stepping")):
+        identity[name] = int(fields[key]) if fields.get(key, "").isdigit() else None
+    flags = set(fields.get("flags", "").split())
+    identity["vector_flags"] = [flag for flag in VECTOR_FLAGS if flag in flags]
+    return identity
+
+
 def machine_info() -> dict[str, Any]:
     """Platform, processor, cores usable by this process, memory, threads and the starting load."""
     memory = None
@@ -65,6 +95,7 @@ def machine_info() -> dict[str, Any]:
         "machine": platform.machine(),
         "processor": _processor(),
         "cpu_model": cpu_model(),
+        "cpu": cpu_identity(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable,
         "memory_bytes": memory,

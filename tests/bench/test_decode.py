@@ -22,7 +22,7 @@ TOP_KEYS = {
     "backend", "model", "draft_model", "exactness", "roofline", "baseline", "llama_cpp", "warmup", "workloads",
     "summary", "quality", "bus",
 }
-MACHINE_KEYS = {"platform", "machine", "processor", "cpu_model", "cpu_count", "cpus_usable", "threads", "memory_bytes",
+MACHINE_KEYS = {"platform", "machine", "processor", "cpu_model", "cpu", "cpu_count", "cpus_usable", "threads", "memory_bytes",
                 "memory_gb", "loadavg_start", "loadavg_end"}
 BACKEND_KEYS = {"name", "quant", "requested", "kernels", "auto_verdict"}
 VERSION_KEYS = {"python", "mlx", "mlx_lm", "agentfold", "numpy", "transformers"}
