@@ -533,7 +533,8 @@ enum { T_Q4_K_X8 = T_Q4_K + X8, T_Q5_K_X8 = T_Q5_K + X8, T_Q6_K_X8 = T_Q6_K + X8
  * prefetch, the same process alternating the two builds, the coder's passes of 1 / 4 / 8 rows took
  * 55.6 -> 44.0, 99.6 -> 80.5 and 156.3 -> 143.7 ms. 512 bytes and 1 KB measured alike; 2 KB, 4 KB, 8 KB
  * or the hint into L2 (T1) no better. (Unrolled: a loop around the prefetches cost a tenth of a
- * one-row block's instructions.) */
+ * one-row block's instructions. Past a weight's last block the addresses may be unmapped: an x86
+ * prefetch never faults, it is dropped.) */
 #define X8_PREFETCH(blk, bytes)                                                                               \
     do {                                                                                                      \
         if (X8_AHEAD > 0)                                                                                     \
