@@ -11,9 +11,9 @@ token, and the run measures the engine against the bus (`bench.bus`, the record'
 `roofline.read_bandwidth`): the read bandwidth at the backend's threads, a one-row pass part by
 part (decoder layers, output head, sampling, the rest) with the GB/s each part's weights stream
 at, and passes of 1-16 rows against llama.cpp's on the same ids. Int8 weights change the numerics,
-so the run also reports their cost in quality next to float32 (`bench_quality`). Speed is reported, never asserted: the run's `identical` flags
-(drafted == serial) are the part that must hold; equality with mlx-lm's float model or with
-llama.cpp is reported only.
+so the run also reports their cost in quality next to float32 (`bench_quality`). Speed is
+reported, never asserted: the run's `identical` flags (drafted == serial) are the part that must
+hold; equality with mlx-lm's float model or with llama.cpp is reported only.
 
 The run is a sequence of steps, one function each: load the engines (`decode_rig.load_rig`),
 measure the roofline (`Roofline.measure`), open llama.cpp, warm up, decode each workload
