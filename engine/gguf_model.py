@@ -20,7 +20,7 @@ import numpy as np
 
 from agentfold.engine.gguf_file import GGUFError, GGUFFile
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")
 LOADER_VERSION = 2  # bump when the weights a file loads to change (snapshot and weight-cache keys); 2: reference dequantization
 
 _LAYER_NAMES = {
@@ -53,7 +53,17 @@ _QWEN3MOE_LAYER_NAMES = {
     "ffn_up_exps": "mlp.switch_mlp.up_proj",
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
-_LAYER_TABLES = {"gemma3": _GEMMA_LAYER_NAMES, "qwen3moe": _QWEN3MOE_LAYER_NAMES}
+# gpt-oss (llama.cpp's `gpt-oss`): biased q / k / v / output, a sink logit per head (`attn_sinks`,
+# transformers' bare `self_attn.sinks` parameter), the feed-forward's norm under gemma's name
+# (`post_attention_norm`), a biased router and biased experts stored as Qwen3-MoE's are.
+_GPTOSS_LAYER_NAMES = {
+    **{part: name for part, name in _QWEN3MOE_LAYER_NAMES.items() if part not in ("attn_q_norm", "attn_k_norm",
+                                                                                  "ffn_norm")},
+    "attn_sinks": "self_attn.sinks",
+    "post_attention_norm": "post_attention_layernorm",
+}
+_LAYER_TABLES = {"gemma3": _GEMMA_LAYER_NAMES, "qwen3moe": _QWEN3MOE_LAYER_NAMES, "gpt-oss": _GPTOSS_LAYER_NAMES}
+_BARE_PARAMETERS = ("self_attn.sinks",)  # parameters of a module, not modules with a weight: no suffix
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # End-of-generation tokens as llama.cpp marks them (llama-vocab.cpp): a reply ends at any of them
 _EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
@@ -110,7 +120,7 @@ def config_from_metadata(meta: dict[str, Any], arch: str, has_output: bool) -> d
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    feed_forward = get("feed_forward_length", 0 if arch == "qwen3moe" else None)  # (unused by all-MoE layers)
+    feed_forward = get("feed_forward_length", 0 if arch in ("qwen3moe", "gpt-oss") else None)  # (unused by all-MoE layers)
     config: dict[str, Any] = {
         "model_type": arch,
         "hidden_size": hidden,
@@ -138,6 +148,8 @@ def config_from_metadata(meta: dict[str, Any], arch: str, has_output: bool) -> d
         )
     if arch == "qwen3moe":
         config.update(moe_config(meta, arch, config))
+    if arch == "gpt-oss":
+        config.update(gpt_oss_config(meta, arch, config))
     eos = scalar(meta, "tokenizer.ggml.eos_token_id")
     eog = end_of_generation_ids(meta)
     if eos is not None:
@@ -169,6 +181,35 @@ def moe_config(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[
             "head_dim": int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])}
 
 
+def gpt_oss_config(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's keys of a Hugging Face config (transformers' GptOssConfig), from llama.cpp's: every
+    layer routes to `expert_count` experts of width `expert_feed_forward_length`, the even layers
+    attend to their last `attention.sliding_window` keys, and RoPE is YaRN-scaled. Two numbers the
+    file does not carry are the model's own constants, as llama.cpp hard-codes them: the SwiGLU
+    clamp 7.0 and slope 1.702. YaRN's beta_fast / beta_slow are the paper's 32 / 1 (neither
+    llama.cpp's converter nor OpenAI's checkpoint sets others); the correction range is not rounded
+    to whole dimensions (`truncate`: false, OpenAI's reference and transformers; llama.cpp rounds
+    it, which moves a few of the 32 frequencies by up to one ramp step)."""
+    def get(key: str, default: Any = None) -> Any:
+        return scalar(meta, f"{arch}.{key}", default)
+
+    experts, used, width = get("expert_count"), get("expert_used_count"), get("expert_feed_forward_length")
+    if not experts or not used or not width:
+        raise GGUFError(f"{arch}: expert_count, expert_used_count and expert_feed_forward_length must be set "
+                        f"(got {experts}, {used}, {width})")
+    layers = config["num_hidden_layers"]
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if str(get("rope.scaling.type", "none")) == "yarn":
+        rope = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")), "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": int(get("rope.scaling.original_context_length", 4096))}
+    return {"model_type": "gpt_oss", "num_local_experts": int(experts), "num_experts_per_tok": int(used),
+            "intermediate_size": int(width), "sliding_window": int(get("attention.sliding_window", 128)),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "rope_scaling": rope, "attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+            "head_dim": int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])}
+
+
 def end_of_generation_ids(meta: dict[str, Any]) -> list[int]:
     """Control tokens that end a reply besides the declared eos, as llama.cpp marks them (its
     `<|im_end|>` / `<|endoftext|>` / `<end_of_turn>` ... list): Qwen2.5 declares `<|im_end|>` but
@@ -177,6 +218,8 @@ def end_of_generation_ids(meta: dict[str, Any]) -> list[int]:
     kinds = meta.get("tokenizer.ggml.token_type")
     found = []
     for text in _EOG_TEXTS:
+        if text == "<|end|>" and _is_harmony(tokens):
+            continue
         try:
             index = tokens.index(text)
         except ValueError:
@@ -184,6 +227,17 @@ def end_of_generation_ids(meta: dict[str, Any]) -> list[int]:
         if kinds is None or int(kinds[index]) in (3, 4):  # CONTROL or USER_DEFINED, never a normal word
             found.append(index)
     return found
+
+
+# The harmony format's markers (gpt-oss): a reply holds several messages, each `<|channel|>NAME
+# <|message|>TEXT<|end|>` after `<|start|>assistant`, and ends only at `<|return|>` or `<|call|>`.
+# llama.cpp takes `<|end|>` off its end-of-generation list for such a vocabulary and renders these
+# markers into the text, where the harmony parser (`chat.harmony`) reads the channels.
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
+
+
+def _is_harmony(tokens: list[str]) -> bool:
+    return all(text in tokens for text in ("<|return|>", "<|call|>", "<|end|>", "<|channel|>"))
 
 
 def unpermute(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -203,6 +257,8 @@ def hf_name(name: str, arch: str) -> str | None:
         part = table.get(match.group(2))
         if part is None:
             return None
+        if part in _BARE_PARAMETERS:
+            return f"model.layers.{match.group(1)}.{part}"
         return f"model.layers.{match.group(1)}.{part}.{suffix}"
     top = _TOP_NAMES.get(base)
     return f"{top}.{suffix}" if top else None
@@ -243,6 +299,10 @@ def build_tokenizer(meta: dict[str, Any], arch: str, backend: Any = None) -> Any
 
         fields = {name: to_python(meta[f"tokenizer.{key}"])
                   for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items() if f"tokenizer.{key}" in meta}
+        if _is_harmony(fields.get("tokens") or []) and fields.get("token_type"):
+            # harmony's markers as user-defined tokens (4): kept whole, and kept in decoded text
+            fields["token_type"] = [4 if token in HARMONY_MARKERS else kind
+                                    for token, kind in zip(fields["tokens"], fields["token_type"], strict=True)]
         backend, _ = convert_gguf_tokenizer(arch, fields)
     tokens = meta.get("tokenizer.ggml.tokens") or []
 

@@ -101,27 +101,28 @@ def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] 
 
 
 @lru_cache(maxsize=8)
-def _special_tags(tokenizer_id: int, tokenizer: Any) -> frozenset[str] | None:
+def _special_tags(tokenizer_id: int, tokenizer: Any, tags: tuple[str, ...]) -> frozenset[str] | None:
     try:
         ll = ll_tokenizer(tokenizer)
     except Exception:  # not a fast Hugging Face tokenizer: llguidance cannot read it
         return None
     found = set()
-    for tag in TAGS:
+    for tag in tags:
         token = tokenizer.convert_tokens_to_ids(tag)
         if isinstance(token, int) and tokenizer.convert_ids_to_tokens(token) == tag and ll.is_special_token(token):
             found.add(tag)
     return frozenset(found)
 
 
-def special_tags(tokenizer: Any) -> frozenset[str] | None:
-    """The call tags that are one special token each in `tokenizer` (Qwen2.5: both; SmolLM2: none);
+def special_tags(tokenizer: Any, tags: Sequence[str] = TAGS) -> frozenset[str] | None:
+    """The call tags (`tags`: `TAGS`, or another format's, such as harmony's) that are one special
+    token each in `tokenizer` (Qwen2.5: both; SmolLM2: none);
     None for a tokenizer llguidance cannot read (no grammar can run on it).
 
     llguidance reads such a token as a special token, not as its text: the grammar must name it
     as `<tool_call>`, where a tokenizer without it spells the tag as text, "<tool_call>".
     """
-    return _special_tags(id(tokenizer), tokenizer)
+    return _special_tags(id(tokenizer), tokenizer, tuple(tags))
 
 
 @lru_cache(maxsize=16)

@@ -5,9 +5,9 @@ int8 output head), needs no conversion at load (the blocks are a view of the fil
 with AVX2, every type is repacked 8 channels to a block on first use, the same bytes reordered,
 ~1 s for the 1.1 GB coder model on 2 cores, and the file's pages are handed back), and multiplies
 with llama.cpp's own activation blocks (int8 per 256 values for the K-quants, per 32 for the
-others), so its numerics are llama.cpp's. The sums are integers and each output's float
-chain over the blocks is fixed, so a row's bits never depend on the pass, the threads or the path
-(AVX2 or portable C): row-exact by construction, as `int8_linear` is.
+others: Q4_0 .. Q8_0 and MXFP4, gpt-oss's experts), so its numerics are llama.cpp's. The sums are
+integers and each output's float chain over the blocks is fixed, so a row's bits never depend on the
+pass, the threads or the path (AVX2 or portable C): row-exact by construction, as `int8_linear` is.
 
 `BlockLinear` is one GEMM over one or more weights that read the same input (q / k / v, gate / up:
 in Qwen2.5-Coder's Q4_K_M file v and some down projections are Q6_K while the rest is Q4_K, so a
@@ -39,7 +39,7 @@ SIGNATURES: dict[str, list | tuple[list, object]] = {
     "block_gemm_packed_bytes": ([_INT, _I64, _I64], _I64),
     "block_gemm_pack": ([_INT, _PTR, _I64, _I64, _PTR, _INT], _INT),
 }
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39}
 VERSION = 1  # bump when the arithmetic changes (part of snapshot keys)
 
 

@@ -167,34 +167,50 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return rowwise(lambda rows: torch.softmax(rows.float(), dim=-1), x, transcendental=True)
 
 
-def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query row q [heads, d] over all of k, v [kv_heads, L, d] (grouped-query attention)."""
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of float32 scores [kv_heads, group, ..., L], with `sinks` (one logit
+    per query head, [kv_heads * group]; gpt-oss) as one more term of each row that has no value:
+    transformers' `eager_attention_forward` (the sink's column appended, the softmax, the column
+    dropped; torch's softmax subtracts the row's largest, the sink included). None: the plain softmax."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.to(device=scores.device, dtype=scores.dtype).view(*scores.shape[:2], *[1] * (scores.dim() - 2))
+    combined = torch.cat([scores, column.expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
+def attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query row q [heads, d] over all of k, v [kv_heads, L, d] (grouped-query attention);
+    `sinks` [heads]: each head's sink logit (`sink_softmax`)."""
     kv_heads, _, d = k.shape
     grouped = q.reshape(kv_heads, -1, d)
     scores = torch.matmul(grouped, k.transpose(1, 2)).float() * scale
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = sink_softmax(scores, sinks).to(v.dtype)
     return torch.matmul(probs, v).reshape(q.shape)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-              scale: float) -> torch.Tensor:
-    """Causal attention: q [heads, m, d]; row i sees keys 0..q_positions[i] of k, v [kv_heads, L, d]."""
+              scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention: q [heads, m, d]; row i sees keys 0..q_positions[i] of k, v [kv_heads, L, d];
+    `sinks` [heads]: each head's sink logit (`sink_softmax`). (Plain torch: on CUDA too, for sinks.)"""
     m = q.shape[1]
     positions = q_positions.tolist()
     if m <= PER_ROW_LIMIT and not getattr(_PREFILL, "on", False):  # one row too: decode rows attend alone
-        rows = [attend_row(q[:, i], k[:, : p + 1], v[:, : p + 1], scale) for i, p in enumerate(positions)]
+        rows = [attend_row(q[:, i], k[:, : p + 1], v[:, : p + 1], scale, sinks) for i, p in enumerate(positions)]
         return torch.stack(rows, dim=1)
     blocks = []
     for first in range(0, m, PREFILL_BLOCK):
         last = min(first + PREFILL_BLOCK, m)
         end = max(positions[first:last]) + 1
-        blocks.append(attend_block(q[:, first:last], k[:, :end], v[:, :end], q_positions[first:last], scale))
+        blocks.append(attend_block(q[:, first:last], k[:, :end], v[:, :end], q_positions[first:last], scale, sinks))
     return torch.cat(blocks, dim=1)
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """Query rows q [heads, m, d] over k, v [kv_heads, L, d] with a causal mask, in two matmuls.
+                 scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Query rows q [heads, m, d] over k, v [kv_heads, L, d] with a causal mask, in two matmuls
+    (`sinks` [heads]: each head's sink logit, `sink_softmax`).
 
     (torch's CPU flash attention with a mask is 3-30x slower than this at prefill sizes.)
     """
@@ -203,7 +219,7 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions:
     grouped = q.reshape(kv_heads, (heads // kv_heads) * m, d)  # head h reads kv head h // group
     scores = (torch.matmul(grouped, k.transpose(1, 2)).float() * scale).view(kv_heads, -1, m, length)
     hidden = torch.arange(length, device=k.device)[None, :] > q_positions[:, None]
-    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(v.dtype)
+    probs = sink_softmax(scores.masked_fill(hidden, float("-inf")), sinks).to(v.dtype)
     return torch.matmul(probs.view(kv_heads, -1, length), v).view(heads, m, d)
 
 
@@ -213,6 +229,9 @@ _LANE_SIGNATURE = {"lane_attention": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, 
                    "lane_attention_prefill": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
                                               ctypes.c_float, _I64, ctypes.c_int, _I64, _PTR, _I64, _PTR, _I64, _I64,
                                               _I64],
+                   "lane_attention_sinks": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                                            ctypes.c_float, _I64, ctypes.c_int, _I64, _PTR, _I64, _PTR, _I64, _I64,
+                                            _I64, _PTR],
                    "lane_attention_fused": ([], ctypes.c_int), "lane_attention_halves": ([], ctypes.c_int),
                    "lane_attention_matrix": ([], ctypes.c_int), "lane_attention_matrix_rows": ([], _I64)}
 CACHE_DTYPES = {torch.float32: 0, torch.float16: 1}  # the caches the C kernel reads (value: its `half` flag)
@@ -271,12 +290,18 @@ class LaneTable:
                        for slot, (dtype, kv_heads, blocked, _) in enumerate(layers)]
 
     def attend(self, layer: int, q: torch.Tensor, new_keys: torch.Tensor | None, new_values: torch.Tensor | None,
-               scale: float, window: int | None) -> torch.Tensor:
+               scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Layer `layer`'s attention of every lane: q [m, heads, d] float32 (lane after lane) -> [m, heads, d].
         `new_keys` / `new_values` [m, kv_heads, d] (float32, rows may be strided): the rows' own keys
-        and values, stored into each lane's cache at its positions first (None: already there)."""
+        and values, stored into each lane's cache at its positions first (None: already there).
+        `sinks` [heads] (float32; gpt-oss): each query head's sink logit, one more term of its
+        softmax with no value, on every path of the kernel (None: the kernel's bits without sinks)."""
         capacity, keys, values, half, kv_heads, blocked = self.layers[layer]
         m, heads, d = q.shape
+        if sinks is not None:
+            if sinks.shape != (heads,):
+                raise ValueError(f"sinks must be one logit per query head, [{heads}], not {tuple(sinks.shape)}")
+            sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
         q = q.contiguous()
         out = torch.empty_like(q)
         written = []
@@ -288,10 +313,11 @@ class LaneTable:
                 new = new.float().contiguous()
             written.append((new.data_ptr(), new.stride(0)))
         matrix = MATRIX_MIN_ROWS if getattr(_PREFILL, "on", False) else 0  # (see MATRIX_MIN_ROWS)
-        lane_library().lane_attention_prefill(q.data_ptr(), out.data_ptr(), heads, kv_heads, d, self.count,
-                                              self.begin, self.lengths, self.start, capacity, keys, values, scale,
-                                              window or 0, torch.get_num_threads(), half, written[0][0],
-                                              written[0][1], written[1][0], written[1][1], blocked, matrix)
+        lane_library().lane_attention_sinks(q.data_ptr(), out.data_ptr(), heads, kv_heads, d, self.count,
+                                            self.begin, self.lengths, self.start, capacity, keys, values, scale,
+                                            window or 0, torch.get_num_threads(), half, written[0][0],
+                                            written[0][1], written[1][0], written[1][1], blocked, matrix,
+                                            None if sinks is None else sinks.data_ptr())
         return out
 
 
@@ -334,16 +360,17 @@ def cache_table(spans: Sequence[tuple[int, int, int]], layers: Sequence[Sequence
 
 
 def lane_attention(q: torch.Tensor, lanes: Sequence[LaneKV], scale: float, window: int | None,
-                   blocked: bool = False) -> torch.Tensor | None:
+                   blocked: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Decode / verify attention of every lane of a pass in one C call: q [m, heads, d] (lane after
     lane) -> [m, heads, d]; a lane's row at position p sees its own cache's keys 0..p (with a
     `window`, the last `window` of them). Row-exact by construction (csrc/lane_attention.c), and a
     lane's keys and values are read once for all of its rows. `blocked`: hand the kernel the keys in
     `LayerCache`'s blocked layout (copies; capacities a multiple of 16), as the model's caches are.
-    None where it does not apply (see `lane_table`; also queries in another dtype than float32):
-    the caller runs `attention` per lane."""
+    `sinks` [heads]: each query head's sink logit (`LaneTable.attend`). None where it does not apply
+    (see `lane_table`; also queries in another dtype than float32): the caller runs `attention` per
+    lane."""
     if q.dtype != torch.float32:
         return None
     layer = [(block_keys(keys) if blocked else keys.contiguous(), values.contiguous()) for _, _, _, keys, values in lanes]
     table = lane_table([(begin, rows, start) for begin, rows, start, _, _ in lanes], [layer])
-    return None if table is None else table.attend(0, q, None, None, scale, window)
+    return None if table is None else table.attend(0, q, None, None, scale, window, sinks)

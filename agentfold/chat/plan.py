@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from agentfold.chat.harmony import harmony_grammar
 from agentfold.chat.template import trailing_instruction
 from agentfold.chat.tools import ToolSpec
 from agentfold.engine.constraints import json_object_grammar, json_schema_grammar, tool_call_grammar
@@ -141,9 +142,15 @@ def sampling(plan: ChatPlan) -> SamplingParams:
         raise PlanError(str(error)) from error
 
 
-def grammar_for(plan: ChatPlan, special_tags: frozenset[str] | None = frozenset()) -> str | None:
+def grammar_for(plan: ChatPlan, special_tags: frozenset[str] | None = frozenset(),
+                harmony: frozenset[str] | None = None) -> str | None:
     """The grammar a reply must follow: forced tool calls, JSON output, a call once one starts;
     None when free.
+
+    `harmony`: the model writes harmony (gpt-oss; `chat.harmony`), and these of its tags are one
+    special token each: a forced call or JSON output is held to its harmony form
+    (`harmony_grammar`), and with `tool_choice` auto the reply is free (the lazy grammar's
+    triggers are the <tool_call> and JSON forms, which a harmony reply does not use).
 
     The engine masks rows with it (serial and verify alike), so even a small model returns a
     well-formed call, and drafting stays exact. With `tool_choice` auto the grammar is lazy
@@ -151,6 +158,8 @@ def grammar_for(plan: ChatPlan, special_tags: frozenset[str] | None = frozenset(
     to the call's end. `special_tags`: the call tags that are one special token in the tokenizer
     (`engine.lazy_calls.special_tags`); None where the tokenizer cannot take a lazy grammar.
     """
+    if harmony is not None:
+        return harmony_grammar(plan.tools, plan.tool_choice, plan.response_format, harmony)
     if plan.tools and (plan.tool_choice == "required" or isinstance(plan.tool_choice, dict)):
         tools = [{"name": t.name, "parameters": t.parameters} for t in plan.tools]
         name = plan.tool_choice["name"] if isinstance(plan.tool_choice, dict) else None
@@ -175,13 +184,14 @@ def _grammar_problem(grammar: str) -> str:
     return llguidance.LLMatcher.validate_grammar(grammar)
 
 
-def checked_grammar(plan: ChatPlan, special_tags: frozenset[str] | None = frozenset()) -> str | None:
+def checked_grammar(plan: ChatPlan, special_tags: frozenset[str] | None = frozenset(),
+                    harmony: frozenset[str] | None = None) -> str | None:
     """`grammar_for(plan)`, compiled once here so a bad schema is refused now, not a failed turn later.
 
     A lazy grammar that does not compile (a tool schema llguidance cannot use) is dropped instead:
     the reply is free, and calls are still read from its text (`chat.tool_calls`).
     """
-    grammar = grammar_for(plan, special_tags)
+    grammar = grammar_for(plan, special_tags, harmony)
     if grammar is None:
         return None
     problem = _grammar_problem(grammar)
@@ -196,6 +206,7 @@ def checked_grammar(plan: ChatPlan, special_tags: frozenset[str] | None = frozen
     return grammar
 
 
-def plan_instructions(plan: ChatPlan) -> str:
-    """The strong instruction for forced calls and JSON output, a user turn after the conversation."""
-    return trailing_instruction(plan.tool_choice, plan.response_format)
+def plan_instructions(plan: ChatPlan, harmony: bool = False) -> str:
+    """The strong instruction for forced calls and JSON output, a user turn after the conversation
+    (`harmony`: worded for a model that writes calls in harmony form)."""
+    return trailing_instruction(plan.tool_choice, plan.response_format, harmony)

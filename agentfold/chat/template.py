@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from agentfold.chat.harmony import is_harmony
 from agentfold.chat.tools import ToolSpec, format_tool_call, tool_section
 
 log = logging.getLogger(__name__)
@@ -31,14 +32,20 @@ def template_knows_tools(tokenizer) -> bool:
     return "tools" in template
 
 
-def trailing_instruction(choice: str | dict[str, Any] | None, fmt: dict[str, Any] | None = None) -> str:
+def trailing_instruction(choice: str | dict[str, Any] | None, fmt: dict[str, Any] | None = None,
+                         harmony: bool = False) -> str:
     """The server's instruction for a forced call (`choice`: "required" or `{"name": ...}`) or JSON
     output (`fmt`: a response_format), rendered by `render_chat(trailing=...)`; "" when none applies.
+    `harmony`: the model writes calls in its own harmony form (gpt-oss), not as <tool_call> blocks.
     """
     if isinstance(choice, dict):
+        if harmony:
+            return f"You must now call the function {choice['name']!r}."
         return (f"You must now call the function {choice['name']!r}: answer only with a <tool_call> block "
                 "holding its name and JSON arguments.")
     if choice == "required":
+        if harmony:
+            return "You must now call one of the provided functions."
         return "You must now call one of the provided functions: answer only with <tool_call> blocks."
     if fmt and fmt.get("type") == "json_object":
         return "Answer with a single valid JSON object and nothing else."
@@ -66,23 +73,48 @@ def render_chat(tokenizer, messages: Sequence[dict[str, Any]], tools: Sequence[T
     """
     if trailing:
         return _render_with_trailing(tokenizer, messages, tools, add_generation_prompt, trailing)
+    harmony = is_harmony(tokenizer)
+    if harmony:
+        messages = [_harmony_message(m) for m in messages]
+    else:  # earlier reasoning reaches only a template that reads it (gpt-oss's `message.thinking`)
+        messages = [{k: v for k, v in m.items() if k != "thinking"} if "thinking" in m else m for m in messages]
     specs = [t if isinstance(t, ToolSpec) else _spec_from_dict(t) for t in (tools or [])]
     has_tool_traffic = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     if not getattr(tokenizer, "chat_template", None):
         return _plain_render(_flatten(messages, specs), add_generation_prompt)
     in_place = system_in_place(tokenizer)
     if template_knows_tools(tokenizer) and (specs or has_tool_traffic):
+        native = _place_system([_native_message(m) for m in messages], in_place)
         try:
-            native = _place_system([_native_message(m) for m in messages], in_place)
             return tokenizer.apply_chat_template(native, tools=[t.as_openai() for t in specs] or None,
                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as error:  # a template that chokes on tools: fall back to our own section
+            if harmony:  # gpt-oss calls only in harmony form: <tool_call> instructions would not be read back
+                return tokenizer.apply_chat_template(native, tools=[_string_defaults(t.as_openai()) for t in specs],
+                                                     add_generation_prompt=add_generation_prompt, tokenize=False)
             log.info("chat template rejected native tools (%s); describing them in the system prompt", error)
     if specs or has_tool_traffic:
         flat = _flatten(messages, specs, in_place)
     else:
         flat = _merge(_place_system([_simple(m) for m in messages], in_place))
     return tokenizer.apply_chat_template(flat, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def _string_defaults(value: Any, key: str = "") -> Any:
+    """A tool's JSON with each `default` that is not a string written as JSON text.
+
+    gpt-oss's template joins an enum's or a oneOf's default to its text with `+`, which Jinja
+    refuses for a number (`"// default: " + 20`); openai-harmony renders that default as its JSON
+    (`// default: 20`), which the string gives too. Used only after the template refused the tools.
+    """
+    if isinstance(value, list):
+        return [_string_defaults(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _string_defaults(v, k) for k, v in value.items()}
+    if key != "properties" and "default" in value and not isinstance(value["default"], str):
+        out["default"] = json.dumps(value["default"], ensure_ascii=False)
+    return out
 
 
 _IN_PLACE: dict[str, bool] = {}  # chat template text -> renders a later system turn where it stands
@@ -175,7 +207,23 @@ def _text(content: Any) -> str:
 def _simple(message: dict[str, Any]) -> dict[str, str]:
     role = message.get("role", "user")
     role = "system" if role == "developer" else role
-    return {"role": role, "content": _text(message.get("content"))}
+    out = {"role": role, "content": _text(message.get("content"))}
+    if role == "assistant" and message.get("thinking"):
+        out["thinking"] = message["thinking"]
+    return out
+
+
+def _harmony_message(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message for the gpt-oss template: its earlier reasoning (`thinking`, from each
+    API's reasoning field) is rendered as the analysis message before a tool call, which the
+    template allows only alone: with a call, content and thinking both (a preamble and the
+    reasoning) keep the thinking."""
+    thinking = message.get("thinking")
+    if message.get("role") != "assistant" or not isinstance(thinking, str) or not thinking:
+        return {k: v for k, v in message.items() if k != "thinking"} if "thinking" in message else message
+    if message.get("tool_calls") and _text(message.get("content")).strip():
+        return {**message, "content": ""}
+    return message
 
 
 def _native_message(message: dict[str, Any]) -> dict[str, Any]:

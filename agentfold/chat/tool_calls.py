@@ -123,10 +123,23 @@ def parse_tool_call(body: str, tools: Sequence[ToolSpec] | None = None) -> ToolC
     return body_call(body, DeclaredTools(tools))
 
 
+def reply_parser(harmony: bool = False, enabled: bool = True, prefix: str = "",
+                 tools: Sequence[ToolSpec] | None = None, max_calls: int | None = None):
+    """The parser of a model's replies: `chat.harmony.HarmonyParser` where the chat template is
+    harmony (gpt-oss: reasoning, content and calls by channel), else ToolCallParser."""
+    if harmony:
+        from agentfold.chat.harmony import HarmonyParser
+
+        return HarmonyParser(enabled, prefix, tools, max_calls)
+    return ToolCallParser(enabled, prefix, tools, max_calls)
+
+
 def parse_output(text: str, tools_enabled: bool = True, prefix: str = "",
-                 tools: Sequence[ToolSpec] | None = None, max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
-    """Content and tool calls of a whole reply (the non-streaming form of ToolCallParser)."""
-    parser = ToolCallParser(tools_enabled, prefix, tools, max_calls)
+                 tools: Sequence[ToolSpec] | None = None, max_calls: int | None = None,
+                 harmony: bool = False) -> tuple[str, list[ToolCall]]:
+    """Content and tool calls of a whole reply (the non-streaming form of the reply's parser;
+    `harmony`: a gpt-oss reply, whose reasoning is not content)."""
+    parser = reply_parser(harmony, tools_enabled, prefix, tools, max_calls)
     parser.feed(text)
     parser.finish()
     return parser.content, parser.calls

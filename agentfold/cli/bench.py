@@ -82,9 +82,29 @@ def add_parser(sub: Any) -> None:
     report = bench_sub.add_parser("report", help="Markdown summary and PNG plots from a `bench all` JSON")
     report.add_argument("results", help="the JSON `bench all` wrote")
     report.add_argument("--out-dir", help="where to write report.md and the plots (default: next to the JSON)")
+    _add_moe_parser(bench_sub)
     from agentfold.cli import offload as offload_cli
 
     offload_cli.add_bench_parser(bench_sub)
+
+
+def _add_moe_parser(bench_sub: Any) -> None:
+    """`bench moe`: the agent MoE models at their real size (`bench.moe_size`)."""
+    moe = bench_sub.add_parser("moe", help="Qwen3-Coder-30B-A3B and gpt-oss-20b at their real size (random "
+                               "weights, written once) against llama.cpp: load, prefill, decode, drafted, peak RSS")
+    moe.add_argument("--arch", default="all", help="qwen3-coder-30b-a3b, gpt-oss-20b or all (default: both; "
+                     "tiny-qwen3moe and tiny-gpt-oss: a few-MB smoke run)")
+    moe.add_argument("--prefill", default=str(4096), help="prompt tokens prefilled before the decode (default 4096)")
+    moe.add_argument("--max-tokens", default=str(32), help="tokens decoded after the prompt (default 32)")
+    moe.add_argument("--out", help="JSON file to write (default: moe-ARCH.json here)")
+    moe.add_argument("--cache-dir", help="where the random GGUF files are written and reused (default: "
+                     "$AGENTFOLD_CACHE/bench, else ~/.cache/agentfold/bench)")
+    moe.add_argument("--keep-files", action=argparse.BooleanOptionalAction, default=True,
+                     help="keep each file for the next run (default); --no-keep-files deletes it after its run")
+    moe.add_argument("--layers", help="only the first N layers of each model: a shorter run at the real widths "
+                     "(its figures are not the model's)")
+    moe.add_argument("--seed", default="0", help="seed of the weights and the prompt ids (default 0)")
+    moe.add_argument("--no-llama-cpp", action="store_true", help="run AgentFold only")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         from agentfold.cli.offload import run_bench
 
         return run_bench(args)
+    if args.bench == "moe":
+        return _run_moe(args)
     if args.bench == "sessions":
         from agentfold.bench.sessions import BenchError, bench_sessions
 
@@ -151,6 +173,28 @@ def run(args: argparse.Namespace) -> int:
     for name, row in result.get("workloads", {}).items():
         progress(f"{name}: " + ", ".join(f"{k}={v}" for k, v in row.items() if isinstance(v, (int, float, bool))))
     return 0
+
+
+def _whole_number(name: str, text: str | None) -> int | None:
+    """`--name TEXT` as an int (None if not given); a readable error for anything else."""
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} takes a whole number, not {text!r}") from None
+
+
+def _run_moe(args: argparse.Namespace) -> int:
+    from agentfold.bench.moe_size import bench_moe
+
+    result = bench_moe(args.arch, args.out, prefill=_whole_number("--prefill", args.prefill),
+                       max_tokens=_whole_number("--max-tokens", args.max_tokens), cache_dir=args.cache_dir,
+                       keep_files=args.keep_files, seed=_whole_number("--seed", args.seed),
+                       llama=not args.no_llama_cpp, layers=_whole_number("--layers", args.layers), progress=progress)
+    for name, row in result["summary"]["models"].items():
+        progress(f"{name}: " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    return 0 if result["summary"]["all_identical"] and result["summary"]["all_ran"] else 1
 
 
 def _token_counts(text: str) -> list[int]:

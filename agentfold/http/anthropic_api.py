@@ -15,12 +15,17 @@ What the request's extra fields do here (none is ever a 400 for being there):
   `X-Session-Id` name one; `output_config.format` (`{"type": "json_schema", "schema": ...}`)
   constrains the reply like OpenAI's `response_format`; `max_tokens` beyond what the context
   leaves is clamped to it (reported as `agentfold.max_tokens_clamped`), as llama-server does.
-- accepted and ignored: `thinking` (the served model has no separate thinking budget; earlier
-  `thinking` blocks are not rendered), `context_management` (nothing is edited out of the prompt:
-  the history is resent whole, and the session cache depends on it staying the same),
+- accepted and ignored: `thinking` (the served model has no separate thinking budget),
+  `context_management` (nothing is edited out of the prompt: the history is resent whole, and
+  the session cache depends on it staying the same),
   `output_config.effort`, `metadata`'s other keys, `service_tier`, `container`, `mcp_servers`,
   the `anthropic-beta` / `anthropic-version` headers and `?beta=true` (one endpoint serves both),
   `cache_control` on blocks (every prefix is cached anyway, in the session).
+- earlier `thinking` blocks of an assistant message are its `thinking`, which only a template
+  that reads it renders (gpt-oss's, before a tool call); other templates never see them. A harmony
+  model's (gpt-oss's) analysis text comes back as a `thinking` block (`signature` empty) before
+  the text and tool_use blocks, streamed as `content_block_start` / `thinking_delta` /
+  `content_block_stop`.
 - refused: `image` and `document` blocks (a 400: the served model reads text only; dropping them
   would answer a question about a picture it never saw).
 """
@@ -35,6 +40,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from agentfold.chat.harmony import ReasoningPiece
 from agentfold.chat.plan import ChatPlan, ContextOverflow, check_schema, parse_tool_choice
 from agentfold.chat.template import render_chat
 from agentfold.chat.tool_calls import TextPiece
@@ -127,6 +133,7 @@ def parse_messages(value: Any, system: Any) -> list[dict[str, Any]]:
         if not isinstance(content, list):
             raise ApiError(f"{where}.content: must be a string or an array of content blocks.")
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for j, block in enumerate(content):
             bwhere = f"{where}.content.{j}"
@@ -147,14 +154,19 @@ def parse_messages(value: Any, system: Any) -> list[dict[str, Any]]:
                     raise ApiError(f"{bwhere}.input: must be an object.")
                 calls.append({"id": block.get("id", ""), "type": "function",
                               "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+            elif kind == "thinking" and role == "assistant":
+                if isinstance(block.get("thinking"), str) and block["thinking"]:
+                    thoughts.append(block["thinking"])
             elif kind == "tool_result" and role == "user":
                 text = _blocks_text(block.get("content"), f"{bwhere}.content")
                 if block.get("is_error"):
                     text = f"Error: {text}"
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id", ""), "content": text})
-            # thinking, redacted_thinking, server tool blocks: nothing to render
+            # redacted_thinking, server tool blocks: nothing to render
         if role == "assistant":
             entry: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+            if thoughts:
+                entry["thinking"] = "\n\n".join(thoughts)
             if calls:
                 entry["tool_calls"] = calls
             out.append(entry)
@@ -239,6 +251,26 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments_obj}
 
 
+def _content(outcome: Outcome) -> list[dict[str, Any]]:
+    """The reply's content blocks: a harmony reply's in the order written (its `thinking` first, as
+    the model writes it), else the text (when there is some or no call) and then the tool_use blocks."""
+    content: list[dict[str, Any]] = []
+    if outcome.blocks is None:
+        if outcome.content or not outcome.calls:
+            content.append({"type": "text", "text": outcome.content})
+        return content + [_tool_block(call) for call in outcome.calls]
+    for block in outcome.blocks:
+        if isinstance(block, ReasoningPiece):
+            content.append({"type": "thinking", "thinking": block.text, "signature": ""})
+        elif isinstance(block, TextPiece):
+            content.append({"type": "text", "text": block.text})
+        else:
+            content.append(_tool_block(block))
+    if not outcome.content and not outcome.calls:
+        content.append({"type": "text", "text": ""})
+    return content
+
+
 def _prepare(server, plan: ChatPlan, request: Request) -> PreparedTurn:
     """The turn, or the 400 Anthropic answers a prompt over the context with: Claude Code matches
     its message, `prompt is too long: N tokens > M maximum`, to compact the conversation."""
@@ -255,12 +287,8 @@ async def messages(server, request: Request, body: dict[str, Any]):
     msg_id = new_id("msg_")
     if not plan.stream:
         outcome = await collect(server.runtime, prepared, request)
-        content: list[dict[str, Any]] = []
-        if outcome.content or not outcome.calls:
-            content.append({"type": "text", "text": outcome.content})
-        content += [_tool_block(call) for call in outcome.calls]
         return JSONResponse({
-            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": _content(outcome),
             "stop_reason": _stop_reason(outcome), "stop_sequence": outcome.stop_sequence, "usage": _usage(outcome),
             "timings": outcome.timings, "agentfold": outcome.agentfold,
         })
@@ -275,40 +303,14 @@ async def messages(server, request: Request, body: dict[str, Any]):
             "usage": {"input_tokens": prepared.prompt_tokens, "cache_creation_input_tokens": 0,
                       "cache_read_input_tokens": 0, "output_tokens": 0}})
         yield event("ping")
-        index = 0
-        text_open = False
+        blocks = _BlockStream(event)
         try:
             async for item in drive(server.runtime, prepared, request):
                 if isinstance(item, Heartbeat):
                     yield event("ping")  # Anthropic's keep-alive: a long prefill is not a dead stream
-                elif isinstance(item, TextPiece):
-                    if not text_open:
-                        yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
-                        text_open = True
-                    yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": item.text})
-                elif isinstance(item, ToolCall):
-                    if text_open:
-                        yield event("content_block_stop", index=index)
-                        text_open = False
-                        index += 1
-                    block = _tool_block(item)
-                    yield event("content_block_start", index=index, content_block={**block, "input": {}})
-                    yield event("content_block_delta", index=index,
-                                delta={"type": "input_json_delta", "partial_json": item.arguments})
-                    yield event("content_block_stop", index=index)
-                    index += 1
-                else:
-                    if text_open:
-                        yield event("content_block_stop", index=index)
-                        text_open = False
-                    elif index == 0:  # an empty reply still has one (empty) text block
-                        yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                        yield event("content_block_stop", index=0)
-                    block = item.agentfold
-                    yield event("message_delta", delta={"stop_reason": _stop_reason(item),
-                                                        "stop_sequence": item.stop_sequence},
-                                usage=_usage(item), timings=item.timings, agentfold=block)
-                    yield event("message_stop", timings=item.timings, agentfold=block)
+                    continue
+                for line in blocks.item(item):
+                    yield line
         except Exception as error:
             if isinstance(error, ApiError):
                 kind, message = ERROR_TYPES.get(error.status, "api_error"), error.message
@@ -318,6 +320,59 @@ async def messages(server, request: Request, body: dict[str, Any]):
             yield event("error", error={"type": kind, "message": message})
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class _BlockStream:
+    """A streamed reply's content blocks: text and thinking pieces go to the open block of their kind
+    (closing the other), each call is a tool_use block of its own, and the end closes what is open
+    (a reply with no text block still gets an empty one) and sends the message's last events."""
+
+    _EMPTY = {"text": {"type": "text", "text": ""}, "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+        self.index = 0
+        self.open: str | None = None  # "text" / "thinking": the block being streamed into
+        self.texts = 0  # text blocks sent
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        self.index += 1
+        return [self.event("content_block_stop", index=self.index - 1)]
+
+    def _piece(self, kind: str, text: str) -> list[str]:
+        lines = self._close() if self.open not in (None, kind) else []
+        if self.open is None:
+            lines.append(self.event("content_block_start", index=self.index, content_block=dict(self._EMPTY[kind])))
+            self.open = kind
+            self.texts += kind == "text"
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
+        return [*lines, self.event("content_block_delta", index=self.index, delta=delta)]
+
+    def item(self, item: Any) -> list[str]:
+        if isinstance(item, ReasoningPiece):
+            return self._piece("thinking", item.text)
+        if isinstance(item, TextPiece):
+            return self._piece("text", item.text)
+        if isinstance(item, ToolCall):
+            block, index = _tool_block(item), self.index + (self.open is not None)
+            lines = [*self._close(), self.event("content_block_start", index=index, content_block={**block, "input": {}}),
+                     self.event("content_block_delta", index=index,
+                                delta={"type": "input_json_delta", "partial_json": item.arguments}),
+                     self.event("content_block_stop", index=index)]
+            self.index += 1
+            return lines
+        lines = self._close()
+        if not self.texts and not item.calls and not item.content:  # a reply has a text block, empty or not
+            lines += [self.event("content_block_start", index=self.index, content_block=dict(self._EMPTY["text"])),
+                      self.event("content_block_stop", index=self.index)]
+        block = item.agentfold
+        return [*lines, self.event("message_delta", delta={"stop_reason": _stop_reason(item),
+                                                           "stop_sequence": item.stop_sequence},
+                                   usage=_usage(item), timings=item.timings, agentfold=block),
+                self.event("message_stop", timings=item.timings, agentfold=block)]
 
 
 async def count_tokens(server, request: Request, body: dict[str, Any]) -> JSONResponse:

@@ -1,7 +1,8 @@
 """OpenAI Chat Completions, legacy Completions and the model list.
 
 Streams follow what openai-python, litellm, the AI SDK and Codex's chat parser accept: a first
-chunk with the role, content chunks, tool-call deltas that carry `index` on every element and
+chunk with the role, content chunks (and `reasoning_content` chunks: a harmony model's analysis
+channel, llama.cpp's and vLLM's field; `message.reasoning_content` when not streamed), tool-call deltas that carry `index` on every element and
 `id` / `type` / `name` only on a call's first, a final chunk with `finish_reason` (and the
 `timings` / `agentfold` telemetry), a usage chunk with `choices: []` only when
 `stream_options.include_usage` asked for it, then `data: [DONE]`.
@@ -23,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from agentfold import __version__
+from agentfold.chat.harmony import ReasoningPiece
 from agentfold.chat.plan import ChatPlan, check_schema, parse_tool_choice
 from agentfold.chat.tool_calls import TextPiece
 from agentfold.chat.tools import ToolCall, ToolSpec
@@ -113,6 +115,9 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
                            param=f"{where}.role")
         text = content_text(message.get("content"), f"{where}.content", text_only=True)
         entry: dict[str, Any] = {"role": "tool" if role == "function" else role, "content": text}
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if role == "assistant" and isinstance(reasoning, str) and reasoning:
+            entry["thinking"] = reasoning  # earlier reasoning sent back: the template's `thinking` (gpt-oss)
         if role == "assistant" and message.get("tool_calls") is not None:
             calls = message["tool_calls"]
             if not isinstance(calls, list):
@@ -216,7 +221,7 @@ def usage_block(outcome: Outcome) -> dict[str, Any]:
     return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": 0}}
+            "completion_tokens_details": {"reasoning_tokens": outcome.reasoning_tokens}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +326,8 @@ async def chat_completions(server, request: Request, body: dict[str, Any]):
     outcome = await collect(server.runtime, prepared, request)
     calls = [_call_json(call) for call in outcome.calls]
     message: dict[str, Any] = {"role": "assistant", "content": (outcome.content or None) if calls else outcome.content}
+    if outcome.reasoning:
+        message["reasoning_content"] = outcome.reasoning  # llama.cpp's and vLLM's field
     if calls:
         message["tool_calls"] = calls
     return JSONResponse({
@@ -353,6 +360,8 @@ async def _chat_events(server, prepared: PreparedTurn, request: Request, head: d
                 logprobs.add(item)
             elif isinstance(item, TextPiece):
                 yield chunk({"content": item.text}, entries=logprobs.take())
+            elif isinstance(item, ReasoningPiece):
+                yield chunk({"reasoning_content": item.text}, entries=logprobs.take())
             elif isinstance(item, ToolCall):
                 item.id = item.id or new_id("call_")
                 yield chunk({"tool_calls": [{"index": index, "id": item.id, "type": "function",

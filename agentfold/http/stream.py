@@ -2,9 +2,10 @@
 
 `prepare` turns a `ChatPlan` into a `PreparedTurn` (agentfold.serve.chat_turn) after checking
 the queue, so a full server is a 429 before any streamed response has sent its 200. `drive` runs
-it on the runtime and yields content text, tool calls and finally an `Outcome`; `collect` waits
-for the Outcome alone. The API modules only translate those into their own events. A client that
-goes away cancels its turn, so the worker drops it before its next verify pass.
+it on the runtime and yields content text, reasoning text (a harmony model's analysis channel:
+`chat.harmony`), tool calls and finally an `Outcome`; `collect` waits for the Outcome alone. The
+API modules only translate those into their own events. A client that goes away cancels its
+turn, so the worker drops it before its next verify pass.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 
 from starlette.requests import Request
 
+from agentfold.chat.harmony import ReasoningPiece, reasoning_tokens
 from agentfold.chat.plan import ChatPlan
-from agentfold.chat.tool_calls import TextPiece, ToolCallParser
+from agentfold.chat.tool_calls import TextPiece, reply_parser
 from agentfold.chat.tools import ToolCall
 from agentfold.engine.decode import Completion, Delta
 from agentfold.http.errors import ApiError
@@ -99,6 +101,9 @@ class Outcome:
     stop_sequence: str | None
     timings: dict[str, Any]
     agentfold: dict[str, Any]
+    reasoning: str = ""  # a harmony reply's analysis text (the APIs' reasoning fields); "" for other models
+    reasoning_tokens: int = 0  # the reply's tokens that wrote it
+    blocks: list[ReasoningPiece | TextPiece | ToolCall] | None = None  # a harmony reply in order; None otherwise
 
     @property
     def prompt_tokens(self) -> int:
@@ -125,10 +130,11 @@ async def _watch_disconnect(request: Request, turn: Turn) -> None:
         return
 
 
-async def drive(runtime: Runtime, prepared: PreparedTurn,
-                request: Request) -> AsyncIterator[TextPiece | ToolCall | Delta | Heartbeat | Outcome]:
-    """Submit a prepared turn; yield content text and tool calls as they settle, then the Outcome
-    (and a Heartbeat whenever the turn is silent for HEARTBEAT_S, for streams to keep alive).
+async def drive(runtime: Runtime, prepared: PreparedTurn, request: Request
+                ) -> AsyncIterator[TextPiece | ReasoningPiece | ToolCall | Delta | Heartbeat | Outcome]:
+    """Submit a prepared turn; yield content text, reasoning text (harmony replies only) and tool
+    calls as they settle, then the Outcome (and a Heartbeat whenever the turn is silent for
+    HEARTBEAT_S, for streams to keep alive).
 
     A turn whose config asks for logprobs (only Chat Completions / Completions set it) also gets
     each Delta that carries them, ahead of that delta's text.
@@ -143,8 +149,8 @@ async def drive(runtime: Runtime, prepared: PreparedTurn,
     except RuntimeError as error:
         raise ApiError(str(error), status=503, type="server_error") from error
     watcher = asyncio.create_task(_watch_disconnect(request, turn))
-    parser = ToolCallParser(prepared.tools_enabled, prepared.prefix, prepared.tools,
-                            None if prepared.parallel else 1)
+    parser = reply_parser(prepared.harmony, prepared.tools_enabled, prepared.prefix, prepared.tools,
+                          None if prepared.parallel else 1)
     done = False
     try:
         async for event in _events(turn):
@@ -210,8 +216,7 @@ async def _events(turn: Turn) -> AsyncIterator[Delta | Completion | Heartbeat]:
         await events.aclose()
 
 
-def _outcome(runtime: Runtime, prepared: PreparedTurn, turn: Turn, completion: Completion,
-             parser: ToolCallParser) -> Outcome:
+def _outcome(runtime: Runtime, prepared: PreparedTurn, turn: Turn, completion: Completion, parser: Any) -> Outcome:
     stop_sequence = None
     if completion.finish_reason == "stop" and prepared.user_stops and completion.tokens and \
             completion.tokens[-1] not in runtime.engine.eos_token_ids:
@@ -222,7 +227,12 @@ def _outcome(runtime: Runtime, prepared: PreparedTurn, turn: Turn, completion: C
     finish = "tool_calls" if parser.calls else completion.finish_reason
     report_outcome(runtime, turn, finish, len(parser.calls))
     timings, block = turn_blocks(turn, runtime)
-    return Outcome(turn, completion, parser.content, list(parser.calls), finish, stop_sequence, timings, block)
+    outcome = Outcome(turn, completion, parser.content, list(parser.calls), finish, stop_sequence, timings, block)
+    if prepared.harmony:
+        outcome.reasoning, outcome.blocks = parser.reasoning, list(parser.blocks)
+        outcome.reasoning_tokens = reasoning_tokens(runtime.engine.tokenizer, completion.tokens,
+                                                    runtime.engine.eos_token_ids, parser.reasoning_spans)
+    return outcome
 
 
 async def collect(runtime: Runtime, prepared: PreparedTurn, request: Request) -> Outcome:

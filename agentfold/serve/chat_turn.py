@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentfold.chat.cuts import memo_for, message_cuts, tools_salt
+from agentfold.chat.harmony import is_harmony
+from agentfold.chat.harmony import special_tags as harmony_special_tags
 from agentfold.chat.plan import ChatPlan, ContextOverflow, PlanError, checked_grammar, plan_instructions, sampling
 from agentfold.chat.template import render_chat
 from agentfold.chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolSpec
@@ -36,6 +38,7 @@ class PreparedTurn:
     prompt_tokens: int
     tools: list[ToolSpec] | None = None  # the declared tools a call in the output must name and fit
     parallel: bool = True  # several calls in one reply are returned (False: the first only)
+    harmony: bool = False  # the reply is harmony (gpt-oss): read by chat.harmony, not chat.tool_calls
 
 
 def plan_cuts(runtime: Runtime, messages: list[dict[str, Any]], tools: Sequence[Any] | None,
@@ -62,19 +65,20 @@ def _raw_prompt_ids(runtime: Runtime, raw_prompt: str | list[int]) -> list[int]:
     return prompt
 
 
-def _chat_prompt(runtime: Runtime, plan: ChatPlan, tools_enabled: bool
+def _chat_prompt(runtime: Runtime, plan: ChatPlan, tools_enabled: bool, harmony: bool = False
                  ) -> tuple[list[int], tuple[list[int], int], list[str]]:
-    """The rendered conversation's ids, its prefill cuts and head, and the stops the tool choice needs."""
+    """The rendered conversation's ids, its prefill cuts and head, and the stops the tool choice needs
+    (none for a harmony reply: its calls are not <tool_call> blocks, and one ends the reply)."""
     messages = list(plan.messages)
-    note = plan_instructions(plan)  # after the shared history, outside it: the next turn reuses the cache
+    note = plan_instructions(plan, harmony)  # after the shared history, outside it: the next turn reuses the cache
     try:
         text = render_chat(runtime.tokenizer, messages, plan.tools or None, trailing=note or None)
     except Exception as error:  # jinja errors of the model's own template
         raise PlanError(f"The model's chat template cannot render these messages: {error}") from error
     internal_stops: list[str] = []
-    if tools_enabled and (isinstance(plan.tool_choice, dict) or not plan.parallel_tool_calls):
+    if tools_enabled and not harmony and (isinstance(plan.tool_choice, dict) or not plan.parallel_tool_calls):
         internal_stops.append(TOOL_CALL_CLOSE)  # one call wanted: stop as soon as it is written
-    if plan.tools and plan.tool_choice == "none":
+    if plan.tools and plan.tool_choice == "none" and not harmony:
         internal_stops.append(TOOL_CALL_OPEN)
     prompt = runtime.encode(text)
     return prompt, plan_cuts(runtime, messages, plan.tools or None, prompt), internal_stops
@@ -112,26 +116,34 @@ def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
     """
     params = sampling(plan)
     tools_enabled = bool(plan.tools) and plan.tool_choice != "none" and plan.raw_prompt is None
+    harmony = plan.raw_prompt is None and is_harmony(runtime.tokenizer)
     if plan.raw_prompt is not None:
         prompt, (cuts, head), internal_stops = _raw_prompt_ids(runtime, plan.raw_prompt), ([], 0), []
     else:
-        prompt, (cuts, head), internal_stops = _chat_prompt(runtime, plan, tools_enabled)
+        prompt, (cuts, head), internal_stops = _chat_prompt(runtime, plan, tools_enabled, harmony)
     max_tokens, clamp = _reply_budget(plan, len(prompt), runtime.context_length, default_max_tokens)
     prefix = ""
     config = GenerationConfig(params=params, max_tokens=max_tokens,
                               stop=tuple(dict.fromkeys([*plan.stop, *internal_stops])), draft=plan.draft, logprobs=plan.logprobs,
-                              grammar=_grammar(runtime, plan, tools_enabled))
+                              grammar=_grammar(runtime, plan, tools_enabled, harmony))
     turn_request = TurnRequest(
         prompt=prompt, config=config, api=api, client=client,
         session_id=plan.session_id, audit=plan.audit, model=plan.model,
         cuts=cuts, head=head, outcome_follows=True, max_tokens_clamped=clamp,
     )
     return PreparedTurn(turn_request, tools_enabled, prefix, list(plan.stop), len(prompt),
-                        tools=list(plan.tools) if tools_enabled else None, parallel=plan.parallel_tool_calls)
+                        tools=list(plan.tools) if tools_enabled else None, parallel=plan.parallel_tool_calls,
+                        harmony=harmony)
 
 
-def _grammar(runtime: Runtime, plan: ChatPlan, tools_enabled: bool) -> str | None:
-    """The plan's grammar; the lazy tool-call grammar names the call tags as this tokenizer has them."""
+def _grammar(runtime: Runtime, plan: ChatPlan, tools_enabled: bool, harmony: bool = False) -> str | None:
+    """The plan's grammar; the lazy tool-call grammar names the call tags as this tokenizer has them
+    (a harmony grammar, its harmony tags)."""
     if plan.raw_prompt is not None:
         return None
+    if harmony:
+        forced = bool(plan.tools) and (plan.tool_choice == "required" or isinstance(plan.tool_choice, dict))
+        forced = forced or (plan.response_format or {}).get("type") in ("json_object", "json_schema")
+        tags = (harmony_special_tags(runtime.tokenizer) or frozenset()) if forced else frozenset()
+        return checked_grammar(plan, harmony=tags)
     return checked_grammar(plan, special_tags(runtime.tokenizer) if tools_enabled else frozenset())

@@ -212,6 +212,16 @@ def load_torch_model(path: str | Path, dtype: str = "auto", device: str = "auto"
     return loaded
 
 
+def _architecture(path: Path) -> str | None:
+    """A GGUF's `general.architecture` (None where the header cannot be read: the loader says why later)."""
+    from agentfold.engine.gguf_file import GGUFError, GGUFFile
+
+    try:
+        return str(GGUFFile(path).metadata.get("general.architecture", ""))
+    except GGUFError:
+        return None
+
+
 def _load_gguf(path: Path, dtype: str, target: torch.device, quant: str | None,
                say: Callable[[str], None]) -> tuple[torch.nn.Module, dict[str, Any], Any]:
     """A GGUF's model: on its blocks, int8 (from the weight cache where it holds this file, else
@@ -231,8 +241,13 @@ def _load_gguf(path: Path, dtype: str, target: torch.device, quant: str | None,
             say(f"reading GGUF {path.name} (its blocks, memory-mapped)")
             model = gguf_blocks.load(gguf, DTYPES[dtype])
             return model, gguf.config, build_tokenizer(gguf.metadata, gguf.architecture)
-        if quant == "blocks":
-            raise ModelLoadError(f"{path}: no block kernel for {', '.join(missing)} (use --quant int8)")
+        if quant == "blocks" or gguf.architecture == "gpt-oss":
+            raise ModelLoadError(f"{path}: no block kernel for {', '.join(missing)}"
+                                 f"{'' if quant == 'blocks' else ' (gpt-oss runs on its blocks only)'}")
+    elif _architecture(path) == "gpt-oss":
+        # its biased experts and clamped SwiGLU exist on the block kernels only
+        raise ModelLoadError(f"{path}: gpt-oss runs on its GGUF blocks on the CPU (--quant blocks), "
+                             "not as floats or int8")
     int8 = quant in ("auto", "int8")
     if int8:
         cached = weight_cache.load(path, dtype, torch_models.build, say)

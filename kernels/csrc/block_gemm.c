@@ -1,4 +1,4 @@
-/* Linear layers on a GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): y = x W^T,
+/* Linear layers on a GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q4_K, Q5_K, Q6_K): y = x W^T,
  * exact by construction, reading the weights in the bytes the file holds them.
  *
  * Activations are quantized per row and per block as llama.cpp does: for the K-quants per block of
@@ -12,11 +12,16 @@
  * the block's float scales by a fixed chain of IEEE operations (no fused multiply-add):
  *
  *   Q4_K, Q5_K  a = dx * d;  acc = acc + a * isum;  m = dx * dmin;  acc = acc - m * msum
- *   Q6_K, Q4_0, Q5_0, Q8_0   a = dx * d;  acc = acc + a * isum     (isum holds the -32 / -8 / -16 offset)
+ *   Q6_K, Q4_0, Q5_0, Q8_0, MXFP4  a = dx * d;  acc = acc + a * isum  (isum holds the -32 / -8 / -16 / -12
+ *                                  offset)
  *   Q4_1, Q5_1  a = dx * d;  acc = acc + a * isum;  m = dx * min;  acc = acc + m * sum(q of the block)
  *
  * where isum = sum_j scale_j * (q_w . q_x over sub-block j) and msum = sum_j min_j * sum_x(j) for the
- * K-quants' 6-bit sub-block scales and mins, and acc starts at 0 (then y = acc, or acc + bias). The
+ * K-quants' 6-bit sub-block scales and mins, and acc starts at 0 (then y = acc, or acc + bias).
+ * MXFP4 (gpt-oss's experts: 32 E2M1 codes and an E8M0 exponent e) fits the legacy form: its doubled
+ * values kvalues[code] (-12..12) are held as w = kvalues[code] + 12 (0..24) with offset 12, and d =
+ * 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF, subnormal for e = 0, 1: exact in float), so that a = dx *
+ * d is exact short of underflow and the integers are llama.cpp's MXFP4 x Q8_0 sums. The
  * chain of output c reads only c's weights and row r's activations, so a row's bits never depend on
  * the other rows of a pass, the thread that ran it, or the path: the AVX2 code computes 8 outputs'
  * chains in the 8 lanes of a vector, lane by lane the same operations as the portable C, whose
@@ -27,7 +32,7 @@
  * channel to a 32-bit lane (block_gemm_pack, once at load; see "the K-quants repacked" below): about half the
  * instructions, the activations read once for 8 channels, one sequential stream per group and
  * X8_ROWS rows at a time; on the coder's linears (2 cores, same bits) 1 row 68 -> 46 ms, 4 rows 135 ->
- * 67, 7 rows 179 -> 102. The legacy types (Q4_0 .. Q8_0) run repacked the same way ("the legacy types
+ * 67, 7 rows 179 -> 102. The legacy types (Q4_0 .. Q8_0, MXFP4) run repacked the same way ("the legacy types
  * repacked" below; SmolLM2's Q4_1 file, one row: 66-72 -> 23-25 ms a token). Where the CPU has AVX-512 VNNI
  * or AVX-VNNI, the same kernels add products with vpdpbusd ("with VNNI" below). In a build without those
  * instructions every type stays in the file's layout, through the portable integer loops: within a group each weight block is
@@ -73,7 +78,8 @@
 #endif
 
 /* ggml's type ids (gguf.constants.GGMLQuantizationType) */
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+       T_MXFP4 = 39 };
 #define GROUP 8   /* output channels a task's chains advance together */
 #define QK 256    /* K-quant super-block */
 #define Q32 32    /* legacy block */
@@ -112,6 +118,25 @@ static inline float f16_at(const uint8_t *p) {
 #endif
 }
 
+/* MXFP4's doubled E2M1 values (0, 1, 2, 3, 4, 6, 8, 12, then the same negated) plus 12, by 4-bit code:
+ * the weight integers w (0..24), unsigned as vpmaddubsw's weights are. */
+static const uint8_t mxfp4_w[16] __attribute__((aligned(16))) = {12, 13, 14, 15, 16, 18, 20, 24,
+                                                                 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* An E8M0 exponent as MXFP4's block scale 2^(e - 128), built from its bits as ggml does (e = 0, 1 the
+ * subnormals 2^-128, 2^-127): exact, no float operation. */
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A legacy block's scale d: float16, or MXFP4's E8M0 byte. */
+static inline float legacy_scale(int type, const uint8_t *blk) {
+    return type == T_MXFP4 ? e8m0_half(blk[0]) : f16_at(blk);
+}
+
 /* Which block sizes a type has: values per block, bytes per block; 0 for a type not handled here. */
 int block_gemm_block(int type, int64_t *values, int64_t *bytes) {
     switch (type) {
@@ -120,6 +145,7 @@ int block_gemm_block(int type, int64_t *values, int64_t *bytes) {
     case T_Q5_0: *values = 32, *bytes = 22; return 1;
     case T_Q5_1: *values = 32, *bytes = 24; return 1;
     case T_Q8_0: *values = 32, *bytes = 34; return 1;
+    case T_MXFP4: *values = 32, *bytes = 17; return 1;
     case T_Q4_K: *values = 256, *bytes = 144; return 1;
     case T_Q5_K: *values = 256, *bytes = 176; return 1;
     case T_Q6_K: *values = 256, *bytes = 210; return 1;
@@ -147,12 +173,13 @@ static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || ty
  * are exact), a prefill chunk's 512 rows in a fraction of the scalar loops' time; else scalar C. */
 static void quantize_blocks(const float *x, int64_t k, int64_t size, int8_t *q, float *d, int16_t *sum16) {
 #if BG_QUANTIZE512
-    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF); /* (an integer and: vandps is AVX-512DQ) */
     const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     for (int64_t b = 0; b < k / size; b++) {
         const float *v = x + b * size;
         __m512 top = _mm512_setzero_ps();
-        for (int64_t i = 0; i < size; i += 16) top = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(v + i), magnitude), top);
+        for (int64_t i = 0; i < size; i += 16)
+            top = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(v + i), magnitude)), top);
         float amax = _mm512_reduce_max_ps(top);
         float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b] = amax / 127.0f;
@@ -199,13 +226,14 @@ struct acts {
 /* ---- unpacking a block of 8 channels ----------------------------------------------------------- */
 
 /* A weight block of GROUP channels unpacked: w[c][i] the unsigned weight integers (u8; for Q8_0 the
- * signed values), sc[c][j] the sub-block scales, mn[c][j] the mins (K-quants), and the float scales. */
+ * signed values, for MXFP4 kvalues + 12), sc[c][j] the sub-block scales, mn[c][j] the mins (K-quants),
+ * and the float scales. */
 struct unpacked {
     uint8_t w[GROUP][QK] __attribute__((aligned(32)));
     int16_t sc[GROUP][MAX_SUB];
     int16_t mn[GROUP][MAX_SUB];
     float d[GROUP], dm[GROUP];
-    int subs, sub_len, offset; /* sub-blocks, their length, the constant subtracted from w (0, 8, 16, 32) */
+    int subs, sub_len, offset; /* sub-blocks, their length, the constant subtracted from w (0, 8, 12, 16, 32) */
 };
 
 static void k4_scale_min(int j, const uint8_t *s, int16_t *sc, int16_t *m) {
@@ -219,15 +247,23 @@ static void k4_scale_min(int j, const uint8_t *s, int16_t *sc, int16_t *m) {
 }
 
 #if BG_AVX2
-/* The weight integers of Q4_0 / Q4_1 with AVX2 (the same bytes unpack_one's loops write): 1 for a
- * type it unpacked, 0 for one left to the loops (the K-quants run repacked, `x8`, or in the loops). */
+/* The weight integers of Q4_0 / Q4_1 / MXFP4 with AVX2 (the same bytes unpack_one's loops write; MXFP4's
+ * codes through a vpshufb table): 1 for a type it unpacked, 0 for one left to the loops (the K-quants run
+ * repacked, `x8`, or in the loops). */
 static int unpack_ints_avx2(int type, const uint8_t *blk, uint8_t *w) {
     switch (type) {
     case T_Q4_0:
-    case T_Q4_1: {
-        __m128i v = _mm_loadu_si128((const __m128i *)(blk + (type == T_Q4_0 ? 2 : 4)));
-        _mm_store_si128((__m128i *)w, _mm_and_si128(v, _mm_set1_epi8(0x0F)));
-        _mm_store_si128((__m128i *)(w + 16), _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)));
+    case T_Q4_1:
+    case T_MXFP4: {
+        __m128i v = _mm_loadu_si128((const __m128i *)(blk + (type == T_Q4_0 ? 2 : type == T_MXFP4 ? 1 : 4)));
+        __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+        if (type == T_MXFP4) {
+            const __m128i table = _mm_load_si128((const __m128i *)mxfp4_w);
+            lo = _mm_shuffle_epi8(table, lo), hi = _mm_shuffle_epi8(table, hi);
+        }
+        _mm_store_si128((__m128i *)w, lo);
+        _mm_store_si128((__m128i *)(w + 16), hi);
         return 1;
     }
     default:
@@ -242,7 +278,7 @@ static void unpack_one(int type, const uint8_t *blk, struct unpacked *u, int c) 
 #if BG_AVX2
     uint8_t *w = u->w[c];
     if (unpack_ints_avx2(type, blk, w)) { /* the scales as the loops set them */
-        u->d[c] = f16_at(blk), u->dm[c] = type == T_Q4_1 ? f16_at(blk + 2) : 0.0f;
+        u->d[c] = legacy_scale(type, blk), u->dm[c] = type == T_Q4_1 ? f16_at(blk + 2) : 0.0f;
         return;
     }
 #endif
@@ -278,6 +314,11 @@ static void unpack_portable(int type, const uint8_t *blk, struct unpacked *u, in
     case T_Q8_0:
         memcpy(w, blk + 2, 32);
         u->d[c] = f16_at(blk);
+        u->dm[c] = 0.0f;
+        break;
+    case T_MXFP4:
+        for (int i = 0; i < 16; i++) w[i] = mxfp4_w[blk[1 + i] & 0xF], w[i + 16] = mxfp4_w[blk[1 + i] >> 4];
+        u->d[c] = e8m0_half(blk[0]);
         u->dm[c] = 0.0f;
         break;
     case T_Q4_K:
@@ -323,7 +364,7 @@ static void unpack_portable(int type, const uint8_t *blk, struct unpacked *u, in
 static void block_shape(int type, struct unpacked *u) {
     u->subs = type == T_Q6_K ? 16 : (type == T_Q4_K || type == T_Q5_K ? 8 : 1);
     u->sub_len = type == T_Q6_K ? 16 : 32;
-    u->offset = type == T_Q6_K ? 32 : (type == T_Q4_0 ? 8 : (type == T_Q5_0 ? 16 : 0));
+    u->offset = type == T_Q6_K ? 32 : (type == T_Q4_0 ? 8 : (type == T_Q5_0 ? 16 : (type == T_MXFP4 ? 12 : 0)));
 }
 
 static void unpack(int type, const uint8_t *first, int64_t row_bytes, int64_t blk_bytes, int64_t b, int channels,
@@ -557,7 +598,7 @@ enum { T_Q4_K_X8 = T_Q4_K + X8, T_Q5_K_X8 = T_Q5_K + X8, T_Q6_K_X8 = T_Q6_K + X8
 #define VNNI_SPLIT(n) (BG_VNNI && (n) <= 3 ? 1 : 0)
 
 static inline int is_legacy(int type) {
-    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0;
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 || type == T_MXFP4;
 }
 
 /* The type a repacked id repacks (a file type: itself). */
@@ -602,6 +643,14 @@ int block_gemm_vnni(void) { return BG_VNNI; }
 static void pack_legacy_block(int type, const struct unpacked *u, const uint8_t *const *src, int channels,
                               uint8_t *dst) {
     int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    if (type == T_MXFP4) { /* the exponents, then the file's 4-bit codes (not u's w: 5 bits) reordered */
+        uint8_t *qs = dst + GROUP;
+        for (int c = 0; c < channels; c++) {
+            dst[c] = src[c][0];
+            for (int v = 0; v < 4; v++) memcpy(qs + 32 * v + 4 * c, src[c] + 1 + 4 * v, 4);
+        }
+        return;
+    }
     for (int c = 0; c < channels; c++) { /* the float16 scales' (and mins') bytes as the file has them */
         memcpy(dst + 2 * c, src[c], 2);
         if (with_min) memcpy(dst + 16 + 2 * c, src[c] + 2, 2);
@@ -723,6 +772,16 @@ static inline __m256i broadcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
+}
+
+/* The 8 channels' float scales d of a repacked legacy block: its float16 d[8], or MXFP4's exponents
+ * e[8] as 2^(e - 128) built from their bits (e8m0_half on 8 lanes: e < 2 the subnormals). */
+static inline __m256 x8_scales(int type, const uint8_t *blk) {
+    if (type != T_MXFP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)blk));
+    __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
 }
 
 /* The fifth bit of weight vector v (0..7) of a Q5_K half (bit v of each byte of `bits`) at bit 4. */
@@ -863,29 +922,33 @@ static inline __attribute__((always_inline)) void q6x8_rows(const int n, const u
 
 /* ---- the legacy types repacked: 8 channels to a block of 32 values, one channel to a lane (AVX2) ------ */
 
-/* Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are repacked at load as the K-quants are: a block of 8 channels holds,
- * in each 32-bit lane of weight vector t (0..7), values 4t .. 4t + 3 of one channel. vpmaddubsw against a
- * row's 4 activations 4t .. 4t + 3 broadcast to every lane leaves each channel's partial dot product in its
- * lane (the activations in their own order, read once for 8 channels), and the float chains advance 8
- * channels at a time: a one-row decode step reads one sequential stream per group instead of unpacking
- * one channel's 32-value block at a time (SmolLM2's Q4_1 file: ~3x). The integers are the file layout's:
- * isum = w . q - offset * sum(q) (pair sums added in int16 only where they cannot overflow: Q4 8 of
- * 2 * 15 * 127 <= 30480, Q5 4 of 2 * 31 * 127, Q8_0 one of 2 * 128 * 127 as |w| * (q sgn w)), second =
- * sum(q) for Q4_1 / Q5_1, and each lane's chain is chain_one's.
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and MXFP4 are repacked at load as the K-quants are: a block of 8 channels holds,
+ * in each 32-bit lane of weight vector t (0..7), values 4t .. 4t + 3 of one channel. vpmaddubsw against a row's
+ * 4 activations 4t .. 4t + 3 broadcast to every lane leaves each channel's partial dot product in its lane (the
+ * activations in their own order, read once for 8 channels), and the float chains advance 8 channels at a time:
+ * a one-row decode step reads one sequential stream per group instead of unpacking one channel's 32-value block
+ * at a time (SmolLM2's Q4_1 file: ~3x). The integers are the file layout's: isum = w . q - offset * sum(q) (pair
+ * sums added in int16 only where they cannot overflow: Q4 8 of 2 * 15 * 127 <= 30480, Q5 4 of 2 * 31 * 127,
+ * MXFP4 4 of 2 * 24 * 127, Q8_0 one of 2 * 128 * 127 as |w| * (q sgn w)), second = sum(q) for Q4_1 / Q5_1, and
+ * each lane's chain is chain_one's.
  *
  * A block of 8 channels is 8 file blocks' bytes: d[8] (float16), for Q4_1 / Q5_1 m[8] (float16), then for
  * Q4 / Q5 qs[4 vectors][8 channels][4 bytes], byte i of a channel's lane in vector v holding value 4v + i
  * in its low nibble and value 16 + 4v + i in its high one, and for Q5 qh[8][4], bit t of byte i the fifth
- * bit of value 4t + i; for Q8_0 qs[8 vectors][8][4], value 4t + i as int8. */
+ * bit of value 4t + i; for Q8_0 qs[8 vectors][8][4], value 4t + i as int8. MXFP4 (136 bytes = 8 * 17):
+ * e[8], then qs as Q4's, the file's 4-bit codes: the repacked form reads the bytes llama.cpp reads, and
+ * a vpshufb table gives w = kvalues[code] + 12 in the inner loop (5 bits: 4 of them stored, a fifth of
+ * the stream more, for one shuffle a weight vector). */
 static inline __attribute__((always_inline)) void legacy_x8_rows(const int n, const int type, const uint8_t *group,
                                                                  int64_t nb, const struct acts *a, __m256 *y) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
     const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
-    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
+    const int mx = type == T_MXFP4, offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : mx ? 12 : 0;
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)mxfp4_w));
     const int64_t bytes = x8_bytes(type);
     for (int r = 0; r < n; r++) y[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = group + b * bytes, *qs = blk + (with_min ? 32 : 16);
+        const uint8_t *blk = group + b * bytes, *qs = blk + (mx ? GROUP : with_min ? 32 : 16);
         X8_PREFETCH(blk, bytes);
         __m256i isum[X8_ROWS], part[X8_ROWS];
         for (int r = 0; r < n; r++) isum[r] = part[r] = zero;
@@ -904,9 +967,10 @@ static inline __attribute__((always_inline)) void legacy_x8_rows(const int n, co
                 __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * (t & 3)));
                 __m256i w = _mm256_and_si256(t < 4 ? packed : _mm256_srli_epi16(packed, 4), low4);
                 if (five) w = _mm256_or_si256(w, q5_fifth(fifths, t));
+                if (mx) w = _mm256_shuffle_epi8(table, w);
                 for (int r = 0; r < n; r++) /* (VNNI: int32 sums) */
                     part[r] = add_products(part[r], w, broadcast4(a[r].q + b * Q32 + 4 * t));
-                if (!BG_VNNI && five && t == 3)
+                if (!BG_VNNI && (five || mx) && t == 3)
                     for (int r = 0; r < n; r++) {
                         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
                         part[r] = zero;
@@ -914,7 +978,7 @@ static inline __attribute__((always_inline)) void legacy_x8_rows(const int n, co
             }
             for (int r = 0; r < n; r++) isum[r] = BG_VNNI ? part[r] : _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
         }
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 d = x8_scales(type, blk);
         __m256 dm = with_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
         for (int r = 0; r < n; r++) {
             int32_t qsum = a[r].s16[2 * b] + a[r].s16[2 * b + 1];
@@ -973,7 +1037,8 @@ static void legacy_rows(int type, int n, const uint8_t *group, int64_t nb, const
     (type == T_Q4_0 ? legacy_x8_rows(N, T_Q4_0, group, nb, a, y)                                              \
      : type == T_Q4_1 ? legacy_x8_rows(N, T_Q4_1, group, nb, a, y)                                            \
      : type == T_Q5_0 ? legacy_x8_rows(N, T_Q5_0, group, nb, a, y)                                            \
-     : type == T_Q5_1 ? legacy_x8_rows(N, T_Q5_1, group, nb, a, y) : legacy_x8_rows(N, T_Q8_0, group, nb, a, y))
+     : type == T_Q5_1 ? legacy_x8_rows(N, T_Q5_1, group, nb, a, y)                                            \
+     : type == T_MXFP4 ? legacy_x8_rows(N, T_MXFP4, group, nb, a, y) : legacy_x8_rows(N, T_Q8_0, group, nb, a, y))
     X8_ROWS_SWITCH(n, LEGACY_ROWS)
 #undef LEGACY_ROWS
 }
@@ -1026,9 +1091,9 @@ static void x8_group(const struct job *job, int seg, int64_t g) {
  * the int16 pairs the VNNI path reads. Twice the multiply-adds of the raw weights, but the tiles'
  * output per block is the isum the chain wants: no per-sub-block scaling of int32 tiles.
  * The legacy types (one scale per 32 values) take tiles of 32 values (w - offset as s8, tdpbssd:
- * Q4_0 -8..7, Q5_0 -16..15, Q4_1 / Q5_1 0..31, Q8_0 as is; |isum| <= 32 * 128 * 127), one C tile a
- * block, and then each chain step is chain_lanes' on 16 lanes: the same IEEE operations in the same
- * order (this file is compiled with -ffp-contract=off: no fused multiply-add).
+ * Q4_0 -8..7, Q5_0 -16..15, Q4_1 / Q5_1 0..31, MXFP4 -12..12, Q8_0 as is; |isum| <= 32 * 128 * 127),
+ * one C tile a block, and then each chain step is chain_lanes' on 16 lanes: the same IEEE operations in
+ * the same order (this file is compiled with -ffp-contract=off: no fused multiply-add).
  *
  * Order: a call's K is cut into chunks whose activations (rows x chunk, int8) stay in L2 (the call's
  * outputs hold the chains' accumulators between chunks, which run in order: a chain's block order is
@@ -1156,12 +1221,16 @@ static void amx_unpack_k(int type, const uint8_t *blk, int side, uint8_t *o) {
 }
 
 /* One x8 legacy block (8 channels, 32 values) into half `side` of the panel block `o`: B row t holds
- * values 4t .. 4t + 3 as w - offset (s8). */
+ * values 4t .. 4t + 3 as w - offset (s8; MXFP4's kvalues straight from a signed table, the same
+ * integers). */
 static void amx_unpack_legacy(int type, const uint8_t *blk, int side, uint8_t *o) {
     const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i offset = _mm256_set1_epi8((char)(type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0));
-    const uint8_t *qs = blk + (with_min ? 32 : 16);
+    static const int8_t mxfp4_values[16] __attribute__((aligned(16))) = {0, 1, 2, 3, 4, 6, 8, 12,
+                                                                         0, -1, -2, -3, -4, -6, -8, -12};
+    const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)mxfp4_values));
+    const uint8_t *qs = blk + (type == T_MXFP4 ? GROUP : with_min ? 32 : 16);
     __m256i fifths = five ? _mm256_loadu_si256((const __m256i *)(qs + 128)) : _mm256_setzero_si256();
     for (int t = 0; t < 8; t++) {
         __m256i w;
@@ -1171,11 +1240,11 @@ static void amx_unpack_legacy(int type, const uint8_t *blk, int side, uint8_t *o
             __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * (t & 3)));
             w = _mm256_and_si256(t < 4 ? packed : _mm256_srli_epi16(packed, 4), low4);
             if (five) w = _mm256_or_si256(w, q5_fifth(fifths, t));
-            w = _mm256_sub_epi8(w, offset);
+            w = type == T_MXFP4 ? _mm256_shuffle_epi8(values, w) : _mm256_sub_epi8(w, offset);
         }
         _mm256_store_si256((__m256i *)(o + 64 * t + 32 * side), w);
     }
-    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    __m256 d = x8_scales(type, blk);
     _mm256_store_ps((float *)(o + AL_D) + 8 * side, d);
     _mm256_store_ps((float *)(o + AL_DM) + 8 * side,
                     with_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d);

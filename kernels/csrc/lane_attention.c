@@ -27,6 +27,12 @@
  * Long prefill chunks (`lane_attention_prefill`, lanes the caller names by their row count) run on
  * the AMX-BF16 tiles instead where the CPU has them: at the end of this file, with why each row
  * is still its own and why only the prefill plan may choose it.
+ *
+ * Attention sinks (gpt-oss, `lane_attention_sinks`): a logit per query head that is one more term of
+ * every softmax and adds no value. On the vectors it joins the query's largest score and its
+ * numerator is added to the sum once, after the fixed tree (`attend_queries`); on the tiles it is the
+ * online softmax's starting state (`matrix_group`). Either way a fixed point of the query's own
+ * chain, from its own head's logit: rows stay their own. Without sinks (NULL) no operation is added.
  */
 #include <math.h>
 #include <stdint.h>
@@ -628,10 +634,19 @@ static inline __attribute__((always_inline)) void block_scores(const int n, cons
 
 /* Queries r0..r1-1 of a task (see attend_lane_group): their scores over every block of keys the
  * task's rows see (each block read once per sweep of QUERIES of them), softmax, weighted
- * sums and outputs. A query's arithmetic is its own: which queries share a call changes no bit. */
+ * sums and outputs. A query's arithmetic is its own: which queries share a call changes no bit.
+ *
+ * `sinks` (NULL: none), the task's `group` query heads' sink logits (gpt-oss: one more term of each
+ * softmax, with no value): query r's sink s = sinks[r % group] joins the largest score,
+ * largest = max(the lanes' largest, s), and after the fixed tree over the 16 lanes' sums its
+ * numerator exp(s - largest) (vexp16's lane 0, the same bits on every build) is added once:
+ * sum = tree + exp(s - largest). Both depend on the query's own head and scores alone. Without sinks
+ * not one operation is added (the bits of the kernel before sinks); a sink of -inf gives those bits
+ * too (its numerator is +0, and tree + 0 is tree: the sum is positive). */
 static inline __attribute__((always_inline)) void attend_queries(
     const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
-    int64_t blocked, int64_t rows, int64_t start, int64_t d, float scale, int64_t window, int64_t r0, int64_t r1, float *e) {
+    int64_t blocked, int64_t rows, int64_t start, int64_t d, float scale, int64_t window, const float *sinks,
+    int64_t r0, int64_t r1, float *e) {
     int64_t queries = r1 - r0, first = lowest_key(start, window), last = start + rows - 1;
     int64_t base = first - first % W, blocks = (last - base) / W + 1, span = blocks * W; /* aligned to 16 */
     float *qv = malloc(sizeof(float) * (size_t)(queries * d));   /* the queries, one after the other */
@@ -711,9 +726,10 @@ static inline __attribute__((always_inline)) void attend_queries(
         }
     }
     for (int64_t i = 0; i < queries; i++) {
-        float *row = e + i * span;
+        float *row = e + i * span, top_score = lane_max(top[i]), sink = sinks ? sinks[(r0 + i) % group] : 0.0f;
+        if (sinks && sink > top_score) top_score = sink;
 #if HALVES /* vexp16's lanes 0..7 and 8..15 as two AVX registers, each lane's sum in the same order */
-        __m256 largest = _mm256_set1_ps(lane_max(top[i])), part[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 largest = _mm256_set1_ps(top_score), part[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t j = 0; j < span; j += W)
             for (int h = 0; h < 2; h++) {
                 __m256 x = vexp8(_mm256_sub_ps(_mm256_loadu_ps(row + j + 8 * h), largest));
@@ -725,7 +741,7 @@ static inline __attribute__((always_inline)) void attend_queries(
         _mm256_storeu_ps(lanes + 8, part[1]);
         sums[i] = tree_sum(load(lanes));
 #else
-        vf largest = splat(lane_max(top[i])), part = (vf){0};
+        vf largest = splat(top_score), part = (vf){0};
         for (int64_t j = 0; j < span; j += W) {
             vf x = vexp16(load(row + j) - largest);
             store(row + j, x);
@@ -733,6 +749,7 @@ static inline __attribute__((always_inline)) void attend_queries(
         }
         sums[i] = tree_sum(part);
 #endif
+        if (sinks) sums[i] = sums[i] + vexp16(splat(sink - top_score))[0]; /* the sink's term, last */
     }
     /* The weighted sums, per query and element over its keys in ascending order, in three
      * ranges: its own keys below the ones every query of the task sees, those shared keys (all of
@@ -789,7 +806,7 @@ static inline __attribute__((always_inline)) void attend_queries(
  * (accumulate_shared), each value row read once for a sub-group. */
 static inline __attribute__((always_inline)) void attend_lane_group(
     const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values, int64_t half,
-    int64_t blocked, int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
+    int64_t blocked, int64_t rows, int64_t start, int64_t d, float scale, int64_t window, const float *sinks,
     const float *new_keys, int64_t k_stride, const float *new_values, int64_t v_stride) {
     if (new_keys)
         for (int64_t r = 0; r < rows; r++) {
@@ -804,7 +821,7 @@ static inline __attribute__((always_inline)) void attend_lane_group(
     float *e = malloc(sizeof(float) * (size_t)(span * step)); /* scores, then numerators: [query][key - base] */
     if (!e) abort();
     for (int64_t r0 = 0; r0 < queries; r0 += step)
-        attend_queries(q, q_stride, group, out, keys, values, half, blocked, rows, start, d, scale, window, r0,
+        attend_queries(q, q_stride, group, out, keys, values, half, blocked, rows, start, d, scale, window, sinks, r0,
                        r0 + step < queries ? r0 + step : queries, e);
     free(e);
 }
@@ -812,10 +829,11 @@ static inline __attribute__((always_inline)) void attend_lane_group(
 /* attend_lane_group compiled for the common head sizes as constants (loops unroll); the same
  * source order of operations, so the same bits as the generic one. */
 #define ATTEND(D) attend_lane_group(q, q_stride, group, out, keys, values, half, blocked, rows, start, D, scale, window, \
-                                    new_keys, k_stride, new_values, v_stride)
+                                    sinks, new_keys, k_stride, new_values, v_stride)
 static void attend_task(const float *q, int64_t q_stride, int64_t group, float *out, void *keys, void *values,
                         int64_t half, int64_t blocked, int64_t rows, int64_t start, int64_t d, float scale, int64_t window,
-                        const float *new_keys, int64_t k_stride, const float *new_values, int64_t v_stride) {
+                        const float *sinks, const float *new_keys, int64_t k_stride, const float *new_values,
+                        int64_t v_stride) {
     switch (d) {
     case 64: ATTEND(64); break;
     case 128: ATTEND(128); break;
@@ -880,6 +898,7 @@ struct attention_job {
     const float *new_keys, *new_values;
     int64_t k_stride, v_stride, blocked;
     int64_t matrix_rows; /* lanes with at least this many rows go to the tiles (0: none) */
+    const float *sinks;  /* [heads] each query head's sink logit (gpt-oss), or NULL: none */
 };
 
 static inline int on_matrix(const struct attention_job *job, int64_t l) {
@@ -919,8 +938,9 @@ static void attention_task(void *context, int64_t t) {
         return;
     }
     attend_task(v.q, job->heads * d, job->heads / kv_heads, v.out, v.keys, v.values, job->half, job->blocked,
-                job->rows[l], job->start[l], d, job->scale, job->window, v.new_keys, job->k_stride, v.new_values,
-                job->v_stride);
+                job->rows[l], job->start[l], d, job->scale, job->window,
+                job->sinks ? job->sinks + kv * (job->heads / kv_heads) : NULL, v.new_keys, job->k_stride,
+                v.new_values, job->v_stride);
 }
 
 #if MATRIX
@@ -1236,8 +1256,13 @@ static void matrix_group(const struct attention_job *job, int64_t l, int64_t kv,
             memset(b->q_hi + i * d, 0, sizeof(uint16_t) * (size_t)d);
             memset(b->q_lo + i * d, 0, sizeof(uint16_t) * (size_t)d);
         }
-        b->top[i] = -INFINITY;
-        b->sum[i] = 0.0f;
+        /* a sink (gpt-oss) enters first, as a key of score s and value 0 would: largest s, sum
+         * exp(s - s) = 1, outputs 0 (the first block it sees then rescales it by alpha as any). The
+         * query's own head's logit: its row stays its own. (A sink of -inf: alpha exp(-inf) = +0 on
+         * the first block, so sum 1 x 0 + ... is the bits without sinks.) */
+        int has_sink = job->sinks && i < n;
+        b->top[i] = has_sink ? job->sinks[kv * group + (q0 + i) % group] : -INFINITY;
+        b->sum[i] = has_sink ? 1.0f : 0.0f;
     }
     memset(b->o, 0, sizeof(float) * (size_t)(n * d));
     struct group_state g = {b, position, low, n, d, steps, 0};
@@ -1322,16 +1347,16 @@ int64_t lane_attention_matrix_rows(void) {
 #endif
 }
 
-/* lane_attention, with the lanes of at least `matrix_rows` rows (0: none) on the tiles where they
- * can run (`matrix_ready`), every other lane on the vectors. */
-void lane_attention_prefill(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t lanes,
-                            const int64_t *begin, const int64_t *rows, const int64_t *start, const int64_t *capacity,
-                            const int64_t *keys, const int64_t *values, float scale, int64_t window, int threads,
-                            int64_t half, const float *new_keys, int64_t k_stride, const float *new_values,
-                            int64_t v_stride, int64_t blocked, int64_t matrix_rows) {
+/* lane_attention_prefill with a sink logit per query head (`sinks` [heads], float32; NULL: none, the
+ * bits of lane_attention_prefill): gpt-oss's attention, every path (vectors, tiles) taking them. */
+void lane_attention_sinks(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t lanes,
+                          const int64_t *begin, const int64_t *rows, const int64_t *start, const int64_t *capacity,
+                          const int64_t *keys, const int64_t *values, float scale, int64_t window, int threads,
+                          int64_t half, const float *new_keys, int64_t k_stride, const float *new_values,
+                          int64_t v_stride, int64_t blocked, int64_t matrix_rows, const float *sinks) {
     struct attention_job job = {q, out, heads, kv_heads, d, begin, rows, start, capacity, keys, values, scale,
                                 window, half, new_keys, new_values, k_stride, v_stride, blocked,
-                                matrix_rows > 0 && matrix_ready(d) ? matrix_rows : 0};
+                                matrix_rows > 0 && matrix_ready(d) ? matrix_rows : 0, sinks};
     pool_for(threads, lanes * kv_heads, attention_task, &job); /* (stores the tile lanes' new rows first) */
 #if MATRIX
     if (!job.matrix_rows) return;
@@ -1355,6 +1380,17 @@ void lane_attention_prefill(const float *q, float *out, int64_t heads, int64_t k
     pool_for(threads, count, matrix_task, &mj);
     free(tasks);
 #endif
+}
+
+/* lane_attention, with the lanes of at least `matrix_rows` rows (0: none) on the tiles where they
+ * can run (`matrix_ready`), every other lane on the vectors. */
+void lane_attention_prefill(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t lanes,
+                            const int64_t *begin, const int64_t *rows, const int64_t *start, const int64_t *capacity,
+                            const int64_t *keys, const int64_t *values, float scale, int64_t window, int threads,
+                            int64_t half, const float *new_keys, int64_t k_stride, const float *new_values,
+                            int64_t v_stride, int64_t blocked, int64_t matrix_rows) {
+    lane_attention_sinks(q, out, heads, kv_heads, d, lanes, begin, rows, start, capacity, keys, values, scale, window,
+                         threads, half, new_keys, k_stride, new_values, v_stride, blocked, matrix_rows, NULL);
 }
 
 void lane_attention(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t lanes,

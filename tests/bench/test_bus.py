@@ -62,9 +62,8 @@ def check_pass_widths(widths: dict[str, Any], expected: tuple[int, ...] = bus.WI
     for row in rows.values():
         assert row["llama_cpp_ms"] > 0, row
         assert row["agentfold_vs_llama_cpp"] == pytest.approx(row["llama_cpp_ms"] / row["agentfold_ms"], rel=1e-3)
-    if len(expected) > 1:  # a pass of 16 rows does more work than one of 1, in both engines
-        first, last = rows[str(expected[0])], rows[str(expected[-1])]
-        assert last["agentfold_ms"] > first["agentfold_ms"] and last["llama_cpp_ms"] > first["llama_cpp_ms"]
+    # (No comparison of the widths' times: on a loaded 2-core machine llama.cpp's one-row pass once
+    # took 255 ms and its 16-row pass 86 ms. Speed is the bench's to report, not a test's to assert.)
 
 
 def test_read_bandwidth_counts_the_bytes_it_reads() -> None:

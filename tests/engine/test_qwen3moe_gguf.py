@@ -29,8 +29,13 @@ from agentfold.engine.torch.loader import ModelLoadError, load_torch_model
 from agentfold.engine.torch.models.moe_blocks import BlockExperts, RowByRowLinear
 from agentfold.engine.torch.models.qwen3_moe import ReferenceExperts, moe_blocks
 from agentfold.kernels import block_linear
-from tests.helpers.exactness_checks import assert_blocks_engine_drafts_exactly, assert_pass_rows_equal_one_row_steps
+from tests.helpers.exactness_checks import (
+    assert_blocks_engine_drafts_exactly,
+    assert_pass_rows_equal_one_row_steps,
+    assert_resumed_prefill_equals_fresh,
+)
 from tests.helpers.gguf_files import reference, tiny_tokenizer_fields, write_tiny_qwen3moe
+from tests.helpers.moe_checks import RoutingRecorder, blocks_backend, greedy
 
 pytestmark = pytest.mark.skipif(not block_linear.supported("Q4_K", 256), reason="no C compiler: no block kernels")
 
@@ -95,33 +100,6 @@ def transformers_model(gguf_path: Path) -> torch.nn.Module:
 def reference_logits(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float().numpy()
-
-
-def blocks_backend(path: Path) -> TorchBackend:
-    return TorchBackend(load_torch_model(path, device="cpu", quant="blocks"), quant="blocks")
-
-
-def greedy(backend: TorchBackend, prompt: list[int], count: int) -> list[int]:
-    """Serial greedy decoding, one token a pass (ties to the lowest id, as the sampler's T = 0)."""
-    cache = backend.new_cache()
-    logits = backend.forward(prompt, cache)
-    tokens: list[int] = []
-    for _ in range(count):
-        tokens.append(int(np.argmax(logits[-1])))
-        logits = backend.forward([tokens[-1]], cache)
-    return tokens
-
-
-class RoutingRecorder:
-    """Wraps a block's experts and keeps the expert ids each pass routed its rows to."""
-
-    def __init__(self, experts: object) -> None:
-        self.experts = experts
-        self.ids: list[torch.Tensor] = []
-
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        self.ids.append(ids.clone())
-        return self.experts(x, ids, gates)
 
 
 def test_loads_on_its_blocks_with_the_file_config(gguf_path: Path):
@@ -221,6 +199,11 @@ def test_routing_spreads_and_only_routed_experts_are_read(gguf_path: Path):
     for recorder in recorders:
         counts = np.bincount(recorder.ids[1].reshape(-1).numpy(), minlength=SHAPE["experts"])
         assert (counts > 0).sum() >= 5 and counts.max() <= len(PROMPT)  # spread: no expert takes every token
+
+
+def test_resumed_prefill_equals_fresh(gguf_path: Path):
+    """A prompt resumed from a snapshot at a plan boundary equals the fresh one cut there."""
+    assert_resumed_prefill_equals_fresh(blocks_backend(gguf_path), PROMPT * 4)
 
 
 def test_drafted_equals_serial_with_drafts_verified(gguf_path: Path, tmp_path: Path):

@@ -32,3 +32,16 @@ def assert_pass_rows_equal_one_row_steps(backend: Any, prompt: list[int], split:
     rows = np.concatenate([backend.forward([token], cache) for token in prompt[split:]])
     assert whole.shape == (len(prompt), rows.shape[1])
     assert np.array_equal(whole[split:], rows)
+
+
+def assert_resumed_prefill_equals_fresh(backend: Any, tokens: list[int], cut: int = 30, later: int = 60) -> None:
+    """Sessions' contract on a backend: a prompt resumed from a snapshot (the cache written out and
+    read back) at a plan boundary `cut` equals the fresh prefill of it cut at the same boundaries,
+    bit for bit in the next row's logits."""
+    fresh = backend.new_cache()
+    backend.prefill(tokens, fresh, boundaries=[cut, later])
+    first = backend.new_cache()
+    backend.prefill(tokens[:cut], first)
+    resumed = backend.arrays_to_cache(*backend.cache_to_arrays(first))
+    backend.prefill(tokens[cut:], resumed, boundaries=[later])
+    assert np.array_equal(backend.forward([9], resumed), backend.forward([9], fresh))

@@ -17,8 +17,11 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFWriter
+from gguf import constants as gguf_constants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+
+from agentfold.bench.moe_files import add_field as _add_field
 
 PLAIN = {"F32": np.float32, "F16": np.float16}
 
@@ -220,12 +223,87 @@ def write_tiny_qwen3moe(path: Path, tokenizer: dict[str, Any], seed: int = 0, hi
     return path
 
 
-def _add_field(writer: GGUFWriter, key: str, value: Any) -> None:
-    if isinstance(value, (list, np.ndarray)):
-        writer.add_array(key, list(value))
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    elif isinstance(value, bool):
-        writer.add_bool(key, value)
-    else:
-        writer.add_uint32(key, int(value))
+# The ggml types of a tiny gpt-oss file, as OpenAI's own GGUF (ggml-org/gpt-oss-20b-GGUF) stores them:
+# experts in MXFP4, attention, embedding and head in Q8_0, router, norms, biases and sinks in F32.
+# Layer 1's attention is Q4_0 / Q5_0 instead, to run a second block type beside MXFP4.
+GPT_OSS_TYPES = [{"attn": "Q8_0"}, {"attn": "Q4_0", "attn_output": "Q5_0"}]
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+
+
+def harmony_tokenizer_fields(chat_template: str | None = None) -> dict[str, Any]:
+    """`tiny_tokenizer_fields` with harmony's control tokens (gpt-oss's chat format) appended and
+    `<|return|>` as the end of a reply, as gpt-oss's GGUF declares it; `chat_template`: the
+    file's template (gpt-oss's own: tests/fixtures/harmony/openai-gpt-oss-120b.jinja)."""
+    fields = tiny_tokenizer_fields()
+    tokens = list(fields["tokenizer.ggml.tokens"]) + HARMONY_TOKENS
+    fields = {**fields, "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.token_type": list(fields["tokenizer.ggml.token_type"]) + [3] * len(HARMONY_TOKENS),
+              "tokenizer.ggml.eos_token_id": tokens.index("<|return|>")}
+    if chat_template is not None:
+        fields["tokenizer.chat_template"] = chat_template
+    return fields
+
+
+def write_tiny_gpt_oss(path: Path, tokenizer: dict[str, Any], seed: int = 0, hidden: int = 192, layers: int = 2,
+                       heads: int = 4, kv_heads: int = 2, head_dim: int = 64, experts: int = 8, used: int = 4,
+                       expert_inner: int = 160, window: int = 8, router_scale: float = 0.5) -> Path:
+    """A small gpt-oss as llama.cpp's converter lays it out (gguf-py's `gpt-oss` tensors and keys):
+    biased q / k / v / output, `attn_sinks` [heads], `post_attention_norm`, a biased F32 router
+    `ffn_gate_inp`, and biased experts `ffn_{gate,up,down}_exps` as 3-D MXFP4 tensors (gate and up
+    split apart, as the converter splits OpenAI's interleaved gate_up); YaRN keys as OpenAI's
+    (factor 32 over an original 4096), and a short sliding `window` so the even layers' windows
+    bind on a short prompt (OpenAI's is 128). head_dim is 64, OpenAI's."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), "gpt-oss")
+    writer.add_block_count(layers)
+    writer.add_context_length(131072)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(expert_inner)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(150000.0)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(used)
+    writer.add_expert_feed_forward_length(expert_inner)
+    writer.add_sliding_window(window)
+    writer.add_rope_scaling_type(gguf_constants.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(32.0)
+    writer.add_rope_scaling_orig_ctx_len(4096)
+    for key, value in tokenizer.items():
+        _add_field(writer, key, value)
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + rng.standard_normal(n) * 0.1).astype(np.float32)
+
+    def floats(*shape: int, scale: float = 0.02) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    add(writer, "token_embd.weight", block_bytes("Q8_0", vocab, hidden, rng, 0.5), "Q8_0")
+    for i in range(layers):
+        kinds = GPT_OSS_TYPES[i % len(GPT_OSS_TYPES)]
+        add(writer, f"blk.{i}.attn_norm.weight", norm(hidden), "F32")
+        for part, rows, cols in (("attn_q", heads * head_dim, hidden), ("attn_k", kv_heads * head_dim, hidden),
+                                 ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, heads * head_dim)):
+            kind = kinds.get(part, kinds["attn"])
+            add(writer, f"blk.{i}.{part}.weight", block_bytes(kind, rows, cols, rng), kind)
+            add(writer, f"blk.{i}.{part}.bias", floats(rows), "F32")
+        add(writer, f"blk.{i}.attn_sinks.weight", floats(heads, scale=1.0), "F32")
+        add(writer, f"blk.{i}.post_attention_norm.weight", norm(hidden), "F32")
+        add(writer, f"blk.{i}.ffn_gate_inp.weight", floats(experts, hidden, scale=router_scale), "F32")
+        add(writer, f"blk.{i}.ffn_gate_inp.bias", floats(experts, scale=0.1), "F32")
+        for part, (rows, cols) in (("ffn_gate_exps", (expert_inner, hidden)), ("ffn_up_exps", (expert_inner, hidden)),
+                                   ("ffn_down_exps", (hidden, expert_inner))):
+            data = block_bytes("MXFP4", experts * rows, cols, rng)
+            add(writer, f"blk.{i}.{part}.weight", data.reshape(experts, rows, -1), "MXFP4")
+            add(writer, f"blk.{i}.{part}.bias", floats(experts, rows), "F32")
+    add(writer, "output_norm.weight", norm(hidden), "F32")
+    add(writer, "output.weight", block_bytes("Q8_0", vocab, hidden, rng), "Q8_0")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

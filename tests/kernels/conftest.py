@@ -13,3 +13,18 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def generic_lane_library(tmp_path_factory):
+    """The lane attention built without its AVX2 register halves (the generic vectors), once for
+    every test that compares the two builds' bits (a build takes ~35 s on 2 cores)."""
+    from agentfold.kernels import native, torch_cpu
+
+    if not torch_cpu.lane_library().lane_attention_halves():
+        pytest.skip("this build has no register-halves path (AVX-512, or no AVX2 / F16C)")
+    generic = native.build_variant(["-DLANE_ATTENTION_NO_HALVES"], tmp_path_factory.mktemp("no-halves"),
+                                   torch_cpu._LANE_SIGNATURE)
+    assert generic is not None, "the C sources did not compile"
+    assert generic.lane_attention_halves() == 0
+    return generic

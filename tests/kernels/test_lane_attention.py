@@ -114,14 +114,10 @@ def test_blocked_keys_give_the_same_bits(heads, kv_heads, d, window, shape, dtyp
     assert torch.equal(torch_cpu.lane_attention(q, lanes, 0.125, window, blocked=True), rows)
 
 
-def test_register_halves_give_the_generic_bits(tmp_path, monkeypatch):
+def test_register_halves_give_the_generic_bits(generic_lane_library, monkeypatch):
     """On AVX2 the scores and weighted sums keep each 16-lane vector as two AVX registers
     (`HALVES`); built without them (the generic vectors), every output has the same bits."""
-    if not torch_cpu.lane_library().lane_attention_halves():
-        pytest.skip("this build has no register-halves path (AVX-512, or no AVX2 / F16C)")
-    generic = native.build_variant(["-DLANE_ATTENTION_NO_HALVES"], tmp_path, torch_cpu._LANE_SIGNATURE)
-    assert generic is not None, "the C sources did not compile"
-    assert generic.lane_attention_halves() == 0
+    generic = generic_lane_library
     for heads, kv_heads, d, window, shape in CASES:
         for dtype in (torch.float32, torch.float16):
             q, lanes = _pass(heads, kv_heads, d, shape, seed=9, dtype=dtype)

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma3_text", "gpt_oss")
 
 
 def build(config: dict[str, Any]) -> nn.Module:
@@ -15,6 +15,10 @@ def build(config: dict[str, Any]) -> nn.Module:
     if model_type in ("qwen3_moe", "qwen2_moe"):
         from agentfold.engine.torch.models import qwen3_moe
         return qwen3_moe.build(config)
+    if model_type == "gpt_oss":
+        from agentfold.engine.torch.models import gpt_oss
+
+        return gpt_oss.build(config)
     if model_type == "gemma3_text":
         from agentfold.engine.torch.models import gemma3
 

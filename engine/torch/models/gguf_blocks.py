@@ -118,7 +118,7 @@ def load(model: GGUFModel, dtype: torch.dtype) -> nn.Module:
         if weight is None and f"{name}.weight" in routers:  # a float router: its own rows, in float
             parent, _, attribute = name.rpartition(".")
             values = torch.from_numpy(np.ascontiguousarray(model.tensor(f"{name}.weight")))
-            setattr(net.get_submodule(parent), attribute, moe_blocks.float_router(values, dtype))
+            setattr(net.get_submodule(parent), attribute, moe_blocks.float_router(values, dtype, linear.bias))
             continue
         if weight is None:
             raise ValueError(f"{name}: no block kernel for {model.source_type(name + '.weight')}")

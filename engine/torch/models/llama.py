@@ -167,10 +167,16 @@ class Rope(nn.Module):
 
     BLOCK = 1024
 
-    def __init__(self, head_dim: int, theta: float, factor: float = 1.0) -> None:
-        """`factor`: linear RoPE scaling (positions divided by it, as Hugging Face's `linear` type)."""
+    def __init__(self, head_dim: int, theta: float, factor: float = 1.0, inv_freq: torch.Tensor | None = None,
+                 attention_factor: float = 1.0) -> None:
+        """`factor`: linear RoPE scaling (positions divided by it, as Hugging Face's `linear` type);
+        `inv_freq` (float64 [head_dim / 2]) and `attention_factor` (cos and sin scaled by it): a
+        scaled RoPE's own frequencies (YaRN: `gpt_oss.yarn_frequencies`)."""
         super().__init__()
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)) / factor
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)) / factor
+        self.inv_freq = inv_freq.to(torch.float64)
+        self.attention_factor = attention_factor
         self.register_buffer("cos", torch.empty(0, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(0, head_dim), persistent=False)
 
@@ -180,8 +186,11 @@ class Rope(nn.Module):
             positions = torch.arange(begin, begin + self.BLOCK, dtype=torch.float64)
             angles = torch.outer(positions, self.inv_freq)
             angles = torch.cat([angles, angles], dim=-1)
-            blocks.append(angles.cos().to(torch.float32).to(self.cos.device))
-            sines.append(angles.sin().to(torch.float32).to(self.sin.device))
+            cos, sin = angles.cos(), angles.sin()
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            blocks.append(cos.to(torch.float32).to(self.cos.device))
+            sines.append(sin.to(torch.float32).to(self.sin.device))
         self.cos, self.sin = torch.cat(blocks), torch.cat(sines)
 
     def tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,6 +230,7 @@ class Attention(nn.Module):
         self.q_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.qkv: Fused | None = None  # q, k, v in one GEMM (int8 weights: one quantization of x)
+        self.sinks: torch.Tensor | None = None  # a logit per head that takes softmax mass and adds no value (gpt-oss)
 
     def forward(self, x: torch.Tensor, lanes: LayerLanes, rope: Rope) -> torch.Tensor:
         """x [m, hidden]: the rows of every lane. The projections and RoPE run over all rows at once
@@ -236,7 +246,7 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, d)).view(m, self.heads, d)
             k = self.k_norm(k.reshape(-1, d)).view(m, self.kv_heads, d)
         q, k = rope(q, lanes.positions, lanes.end), rope(k, lanes.positions, lanes.end)
-        out = ops.attend_lanes(q, k, v, lanes, self.scale, self.window)
+        out = ops.attend_lanes(q, k, v, lanes, self.scale, self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(m, self.heads * d))
 
 
@@ -432,7 +442,7 @@ def attach_layer_kernels(model: Transformer) -> int:
         attention, mlp = layer.self_attn, layer.mlp
         plain = (type(layer) is DecoderLayer and type(attention) is Attention and type(mlp) is MLP
                  and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-                 and attention.q_norm is None and mlp.gated is ops.silu_mul
+                 and attention.q_norm is None and attention.sinks is None and mlp.gated is ops.silu_mul
                  and model.rope_for(layer) is model.rope and type(model.rope) is Rope)
         if not plain or attention.qkv is None or mlp.gate_up is None or mlp.gate_up.bias is not None or \
                 mlp.down_proj.bias is not None:

@@ -19,10 +19,14 @@ a type a block kernel runs.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+import numpy as np
 import torch
 
 from agentfold.engine.gguf_model import GGUFModel
-from agentfold.engine.torch.models import ops
+from agentfold.engine.torch.models import gpt_oss, ops
 from agentfold.engine.torch.models.llama import Linear
 from agentfold.engine.torch.models.qwen3_moe import GroupedExperts, MoEBlock, moe_blocks
 from agentfold.kernels import block_linear, torch_cpu
@@ -42,14 +46,25 @@ def is_expert_tensor(hf_name: str) -> bool:
 
 class BlockExperts(GroupedExperts):
     """One MoE layer's experts as the file's blocks: expert e is `gate_up[e]` (gate and up side by
-    side, one GEMM over the rows routed to e) and `down[e]`."""
+    side, one GEMM over the rows routed to e) and `down[e]`. `gated` joins an expert's gate and up
+    rows (SwiGLU unless told: gpt-oss's clamped one); `biases` (gpt-oss): float32 [experts, width]
+    for gate and up, [experts, hidden] for down, added by the GEMM to each output."""
 
-    def __init__(self, gate: list[BlockWeight], up: list[BlockWeight], down: list[BlockWeight]) -> None:
+    def __init__(self, gate: list[BlockWeight], up: list[BlockWeight], down: list[BlockWeight],
+                 gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = ops.silu_mul,
+                 biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         if not len(gate) == len(up) == len(down):
             raise ValueError(f"experts: {len(gate)} gate, {len(up)} up, {len(down)} down projections")
         self.width = gate[0].n
         self.gate_up = [BlockLinear([g, u]) for g, u in zip(gate, up, strict=True)]
         self.down = [BlockLinear([d]) for d in down]
+        self.gated = gated
+        self.gate_up_bias: list[torch.Tensor | None] = [None] * len(down)
+        self.down_bias: list[torch.Tensor | None] = [None] * len(down)
+        if biases is not None:
+            gate_bias, up_bias, down_bias = biases
+            self.gate_up_bias = [torch.cat([g, u]).contiguous() for g, u in zip(gate_bias, up_bias, strict=True)]
+            self.down_bias = [d.contiguous() for d in down_bias]
 
     @property
     def num_experts(self) -> int:
@@ -59,8 +74,8 @@ class BlockExperts(GroupedExperts):
         return sum(linear.nbytes() for linear in (*self.gate_up, *self.down))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.split(ops.linear(x, self.gate_up[e]), (self.width, self.width), dim=-1)
-        return ops.linear(ops.silu_mul(gate, up), self.down[e])
+        gate, up = torch.split(ops.linear(x, self.gate_up[e], self.gate_up_bias[e]), (self.width, self.width), dim=-1)
+        return ops.linear(self.gated(gate, up), self.down[e], self.down_bias[e])
 
 
 class RowByRowLinear(Linear):
@@ -74,15 +89,19 @@ class RowByRowLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = [torch_cpu.aligned_mm(x[i : i + 1].contiguous(), self.weight) for i in range(x.shape[0])]
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+        out = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return out + self.bias if self.bias is not None else out  # (an add per element: the same bits)
 
 
-def float_router(values: torch.Tensor, dtype: torch.dtype) -> RowByRowLinear:
-    """A `RowByRowLinear` holding the router's float values [experts, hidden], stored transposed
-    (the layout in which the CPU GEMM is fastest for a few rows, as `loader.place` stores linears)."""
+def float_router(values: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> RowByRowLinear:
+    """A `RowByRowLinear` holding the router's float values [experts, hidden] (and gpt-oss's bias
+    [experts]), stored transposed (the layout in which the CPU GEMM is fastest for a few rows, as
+    `loader.place` stores linears)."""
     experts, hidden = values.shape
-    router = RowByRowLinear(hidden, experts)
+    router = RowByRowLinear(hidden, experts, bias=bias is not None)
     router.weight.data = values.to(dtype).t().contiguous().t()
+    if bias is not None:
+        router.bias.data = bias.to(dtype)
     return router
 
 
@@ -103,7 +122,7 @@ def expert_weights_ok(model: GGUFModel, hf_name: str) -> bool:
 def unsupported_expert_types(model: GGUFModel) -> set[str]:
     """The types of the file's expert tensors no block kernel runs here."""
     return {model.source_type(name) for name in model.names
-            if is_expert_tensor(name) and not expert_weights_ok(model, name)}
+            if is_expert_tensor(name) and name.endswith(".weight") and not expert_weights_ok(model, name)}
 
 
 def attach_experts(net: torch.nn.Module, model: GGUFModel) -> int:
@@ -129,5 +148,15 @@ def attach_block(block: MoEBlock, model: GGUFModel) -> int:
         if not expert_weights_ok(model, name):
             raise ValueError(f"{name}: no block kernel for {model.source_type(name)}")
         parts[projection] = expert_block_weights(model, name)
-    block.experts = BlockExperts(parts["gate_proj"], parts["up_proj"], parts["down_proj"])
+    biases = [expert_tensor_name(block.layer_index, projection).removesuffix("weight") + "bias"
+              for projection in PROJECTIONS]
+    gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = ops.silu_mul
+    if isinstance(block, gpt_oss.MoE):
+        if not all(name in model.names for name in biases):
+            raise ValueError(f"layer {block.layer_index}: gpt-oss experts without their biases")
+        gated = functools.partial(gpt_oss.swiglu, limit=block.swiglu_limit, alpha=block.swiglu_alpha)
+    loaded = tuple(torch.from_numpy(np.ascontiguousarray(model.tensor(name))) for name in biases
+                   if name in model.names)
+    block.experts = BlockExperts(parts["gate_proj"], parts["up_proj"], parts["down_proj"], gated,
+                                 loaded if len(loaded) == 3 else None)  # type: ignore[arg-type]
     return block.experts.nbytes()

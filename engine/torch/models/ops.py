@@ -107,14 +107,18 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-              scale: float, window: int | None = None) -> torch.Tensor:
+              scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention: q [heads, m, d] over k, v [kv_heads, L, d]; row i sees keys 0..q_positions[i],
-    or with a `window` only its last `window` keys (a sliding-window layer, `windowed_attention`)."""
+    or with a `window` only its last `window` keys (a sliding-window layer, `windowed_attention`).
+    `sinks` (float32 [heads], gpt-oss): each query head's sink logit, one more term of every row's
+    softmax with no value (`torch_cpu.sink_softmax`). The Triton kernel has no such term: with sinks
+    CUDA runs the torch path too (short passes row by row, each row the call a one-row step makes;
+    prefill chunks in blocks)."""
     if window is not None and int(q_positions.max()) >= window:
-        return windowed_attention(q, k, v, q_positions, scale, window)
-    if q.is_cuda:
+        return windowed_attention(q, k, v, q_positions, scale, window, sinks)
+    if q.is_cuda and sinks is None:
         return _triton().attention(q, k, v, q_positions, scale)
-    return torch_cpu.attention(q, k, v, q_positions, scale)
+    return torch_cpu.attention(q, k, v, q_positions, scale, sinks)
 
 
 def blocked_keys(device: torch.device, dtype: torch.dtype) -> bool:
@@ -132,14 +136,16 @@ def lane_table(spans: Sequence[tuple[int, int, int]], caches: Sequence[Sequence[
 
 
 def attend_lanes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lanes: Any, scale: float,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a pass's rows, lane by lane (`lanes`: a `llama.LayerLanes`): q [m, heads,
     d], k, v [m, kv_heads, d] hold each lane's rows in turn; a lane's keys and values are stored in
     its own cache at its positions, and its rows attend to that cache's keys 0..position (with a
-    `window`, the last `window`). -> [m, heads, d]. On CPU every pass (prefill chunks too) runs every
-    lane in one row-exact C call; otherwise each lane is written and runs `attention` on its own."""
+    `window`, the last `window`). -> [m, heads, d]. `sinks` (float32 [heads], gpt-oss): each query
+    head's sink logit, one more softmax term with no value (None: none, the same bits as without it).
+    On CPU every pass (prefill chunks too) runs every lane in one row-exact C call; otherwise each
+    lane is written and runs `attention` on its own."""
     if lanes.table is not None and q.dtype == torch.float32:
-        return lanes.table.attend(lanes.slot, q, k, v, scale, window)
+        return lanes.table.attend(lanes.slot, q, k, v, scale, window, sinks)
     outputs = []
     for lane in lanes.lanes:
         rows = slice(lane.begin, lane.begin + lane.rows)
@@ -149,7 +155,7 @@ def attend_lanes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lanes: Any, 
         if keys.dtype != q.dtype:  # a float16 cache under float32 queries: widened (exactly) for torch's matmul
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         positions = torch.arange(lane.start, end, device=q.device)
-        outputs.append(attention(q[rows].transpose(0, 1).contiguous(), keys, values, positions, scale, window))
+        outputs.append(attention(q[rows].transpose(0, 1).contiguous(), keys, values, positions, scale, window, sinks))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)).transpose(0, 1)
 
 
@@ -165,8 +171,9 @@ def describe(device: torch.device) -> dict[str, str]:
 
 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                       scale: float, window: int) -> torch.Tensor:
-    """Row i of q [heads, m, d] sees keys max(0, p - window + 1)..p of k, v, where p = q_positions[i].
+                       scale: float, window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Row i of q [heads, m, d] sees keys max(0, p - window + 1)..p of k, v, where p = q_positions[i]
+    (`sinks` [heads]: each query head's sink logit, as in `attention`).
 
     A short pass (decode, verify) runs each row alone over exactly its window's keys, the call a
     one-row step makes: row-exact by construction (on CPU it is the causal kernel's own row call,
@@ -178,7 +185,7 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posi
     """
     positions = q_positions.tolist()
     if q.shape[1] <= torch_cpu.PER_ROW_LIMIT:
-        rows = [_attend_window_row(q[:, i : i + 1], k, v, p, max(0, p - window + 1), scale)
+        rows = [_attend_window_row(q[:, i : i + 1], k, v, p, max(0, p - window + 1), scale, sinks)
                 for i, p in enumerate(positions)]
         return torch.cat(rows, dim=1)
     blocks = []
@@ -186,14 +193,17 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posi
         last = min(first + WINDOW_BLOCK, q.shape[1])
         low, end = max(0, min(positions[first:last]) - window + 1), max(positions[first:last]) + 1
         blocks.append(_attend_window_block(q[:, first:last], k[:, low:end], v[:, low:end],
-                                           q_positions[first:last] - low, scale, window))
+                                           q_positions[first:last] - low, scale, window, sinks))
     return torch.cat(blocks, dim=1)
 
 
 def _attend_window_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, low: int,
-                       scale: float) -> torch.Tensor:
-    """One query row q [heads, 1, d] over keys low..position (the CUDA kernel sees them as 0..position-low)."""
+                       scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query row q [heads, 1, d] over keys low..position (the CUDA kernel sees them as 0..position-low;
+    with `sinks`, torch's row call on either device)."""
     keys, values = k[:, low : position + 1], v[:, low : position + 1]
+    if sinks is not None:
+        return torch_cpu.attend_row(q[:, 0], keys, values, scale, sinks).unsqueeze(1)
     if q.is_cuda:
         last = torch.tensor([position - low], dtype=torch.int64, device=q.device)
         return _triton().attention(q, keys, values, last, scale)
@@ -201,14 +211,15 @@ def _attend_window_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
 
 
 def _attend_window_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
-                         scale: float, window: int) -> torch.Tensor:
+                         scale: float, window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Query rows q [heads, m, d] at key offsets `q_offsets` over k, v [kv_heads, L, d]: row i sees
-    the keys j with 0 <= q_offsets[i] - j < window, in two matmuls and a masked float32 softmax."""
+    the keys j with 0 <= q_offsets[i] - j < window, in two matmuls and a masked float32 softmax (with
+    `sinks` [heads], each head's sink logit one more term of it: `torch_cpu.sink_softmax`)."""
     heads, m, d = q.shape
     kv_heads, length, _ = k.shape
     by_group = q.reshape(kv_heads, (heads // kv_heads) * m, d)  # head h reads kv head h // group
     logits = (torch.matmul(by_group, k.transpose(1, 2)).float() * scale).view(kv_heads, -1, m, length)
     distance = q_offsets[:, None] - torch.arange(length, device=k.device)[None, :]
     unseen = (distance < 0) | (distance >= window)
-    weights = torch.softmax(logits.masked_fill(unseen, float("-inf")), dim=-1).to(v.dtype)
+    weights = torch_cpu.sink_softmax(logits.masked_fill(unseen, float("-inf")), sinks).to(v.dtype)
     return torch.matmul(weights.view(kv_heads, -1, length), v).view(heads, m, d)
