@@ -13,14 +13,17 @@ Its chat template writes an assistant's call as
 a value as text (a string as it is, anything else as JSON), one newline after its opening tag and
 one before its closing tag. The parameters become the call's arguments, each read by the type its
 tool's schema gives it, as the format's parsers in vLLM and llama.cpp read them: a string (or an
-untyped parameter) as its text, any other type parsed as JSON (a value that does not parse stays
-text, and the schema check then refuses the call). A tag body with anything but such blocks, a
+untyped parameter) as its text, any other type parsed as JSON, else as a Python literal (the
+template itself writes an earlier call's object or boolean with Jinja's `string` filter: Python's
+`{'mode': 'w'}`, `True`; vLLM's parser falls back the same way); a value that parses as neither
+stays text, and the schema check then refuses the call. A tag body with anything but such blocks, a
 name the request did not declare or arguments that do not fit the schema is no call: the reply
 keeps it as text, as with the JSON forms (`call_forms`).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from typing import Any
@@ -90,6 +93,10 @@ def _value(text: str, schema: Any) -> Any:
     try:
         return json.loads(text)
     except ValueError:
+        pass
+    try:  # the template writes a non-string value with Jinja's `string` filter: Python's repr
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return text
 
 

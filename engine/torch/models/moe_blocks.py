@@ -28,7 +28,7 @@ import torch
 from agentfold.engine.gguf_model import GGUFModel
 from agentfold.engine.torch.models import gpt_oss, ops
 from agentfold.engine.torch.models.llama import Linear
-from agentfold.engine.torch.models.qwen3_moe import GroupedExperts, MoEBlock, moe_blocks
+from agentfold.engine.torch.models.qwen3_moe import GroupedExperts, MoEBlock, combine, moe_blocks
 from agentfold.kernels import block_linear, torch_cpu
 from agentfold.kernels.block_linear import BlockLinear, BlockWeight
 
@@ -76,6 +76,29 @@ class BlockExperts(GroupedExperts):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = torch.split(ops.linear(x, self.gate_up[e], self.gate_up_bias[e]), (self.width, self.width), dim=-1)
         return ops.linear(self.gated(gate, up), self.down[e], self.down_bias[e])
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 1:
+            return super().__call__(x, ids, gates)
+        return self._one_row(x, ids, gates)
+
+    def _one_row(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """A decode step's row: its k experts' gate / up in one block GEMM (they read the same row,
+        and an output's integer sums and float chain are its own whatever else the call holds: the
+        bits of k separate calls), the activation over the k rows at once (row by row by
+        construction), then each down projection and the slot-order sum the other rows take. A
+        decode token's ~2k kernel calls a layer become k + 1: on Qwen3-Coder-30B-A3B's 48 layers of
+        8 experts, ~380 fewer calls (and their Python) a token."""
+        chosen = ids[0].tolist()
+        width = self.width
+        fused = BlockLinear([w for e in chosen for w in self.gate_up[e].weights])
+        biases = [self.gate_up_bias[e] for e in chosen]
+        bias = torch.cat(biases) if biases[0] is not None else None  # type: ignore[arg-type]
+        both = ops.linear(x, fused, bias).view(len(chosen), 2 * width)
+        hidden = self.gated(both[:, :width], both[:, width:])
+        outputs = torch.cat([ops.linear(hidden[j : j + 1], self.down[e], self.down_bias[e])
+                             for j, e in enumerate(chosen)]).float()
+        return combine(gates, outputs.unsqueeze(0)).to(x.dtype)
 
 
 class RowByRowLinear(Linear):

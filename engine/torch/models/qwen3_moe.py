@@ -55,10 +55,16 @@ class GroupedExperts:
         for e in torch.unique(flat).tolist():
             slots = (flat == e).nonzero().squeeze(1)  # (token, slot) pairs routed to e, in order
             outputs.view(n * k, -1)[slots] = self.expert(e, x[slots // k]).float()
-        total = gates[:, 0:1] * outputs[:, 0]
-        for j in range(1, k):
-            total = total + gates[:, j : j + 1] * outputs[:, j]
-        return total.to(x.dtype)
+        return combine(gates, outputs).to(x.dtype)
+
+
+def combine(gates: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """Each token's k expert outputs [n, k, H] weighted by its gates [n, k] and summed in slot order
+    (float32): the one expression every path that computes experts ends with."""
+    total = gates[:, 0:1] * outputs[:, 0]
+    for j in range(1, outputs.shape[1]):
+        total = total + gates[:, j : j + 1] * outputs[:, j]
+    return total
 
 
 class ReferenceExperts(GroupedExperts):
