@@ -177,8 +177,7 @@ def moe_config(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[
         raise GGUFError(f"{arch}: no expert_feed_forward_length (nor a feed_forward_length to derive it from)")
     return {"model_type": "qwen3_moe", "num_experts": int(experts), "num_experts_per_tok": int(used),
             "moe_intermediate_size": int(width), "norm_topk_prob": True, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "hidden_act": "silu",
-            "head_dim": int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])}
+            "mlp_only_layers": [], "hidden_act": "silu", "head_dim": _head_dim(config)}
 
 
 def gpt_oss_config(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +206,12 @@ def gpt_oss_config(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> d
             "intermediate_size": int(width), "sliding_window": int(get("attention.sliding_window", 128)),
             "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
             "rope_scaling": rope, "attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
-            "head_dim": int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])}
+            "head_dim": _head_dim(config)}
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    """A head's width: the file's `attention.key_length`, else hidden / heads."""
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
 def end_of_generation_ids(meta: dict[str, Any]) -> list[int]:

@@ -400,6 +400,20 @@ def special_tags(tokenizer: Any) -> frozenset[str] | None:
     return special_of(tokenizer, TAGS)
 
 
+def _forces_call(tools: Sequence[ToolSpec] | None, choice: Any) -> bool:
+    return bool(tools) and (choice == "required" or isinstance(choice, dict))
+
+
+def _json_output(fmt: dict[str, Any] | None) -> bool:
+    return bool(fmt) and fmt.get("type") in ("json_object", "json_schema")
+
+
+def holds_to_grammar(tools: Sequence[ToolSpec] | None, choice: Any, fmt: dict[str, Any] | None) -> bool:
+    """Whether `harmony_grammar` gives a grammar for these (a forced call or JSON output): the caller
+    then needs the tokenizer's special tags, whose lookup reads the whole vocabulary once."""
+    return _forces_call(tools, choice) or _json_output(fmt)
+
+
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -420,7 +434,7 @@ def harmony_grammar(tools: Sequence[ToolSpec], choice: str | dict[str, str], fmt
     def tag(text: str) -> str:
         return tag_rule(text, special)
 
-    if tools and (choice == "required" or isinstance(choice, dict)):
+    if _forces_call(tools, choice):
         chosen = [t for t in tools if not isinstance(choice, dict) or t.name == choice["name"]]
         lines, names = [], []
         for i, tool in enumerate(chosen):
@@ -430,7 +444,7 @@ def harmony_grammar(tools: Sequence[ToolSpec], choice: str | dict[str, str], fmt
             lines.append(f"args_{i}: %json {json.dumps(schema)}")
             names.append(f"call_{i}")
         return f"start: {' | '.join(names)}\n" + "\n".join(lines) + "\n"
-    if fmt and fmt.get("type") in ("json_object", "json_schema"):
+    if _json_output(fmt):
         schema = {"type": "object"} if fmt["type"] == "json_object" else \
             ((fmt.get("json_schema") or fmt).get("schema") or {"type": "object"})
         return (f"start: {tag(CHANNEL)} \"final\" {tag(MESSAGE)} body\n"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentfold.chat.cuts import memo_for, message_cuts, tools_salt
-from agentfold.chat.harmony import is_harmony
+from agentfold.chat.harmony import holds_to_grammar, is_harmony
 from agentfold.chat.harmony import special_tags as harmony_special_tags
 from agentfold.chat.plan import ChatPlan, ContextOverflow, PlanError, checked_grammar, plan_instructions, sampling
 from agentfold.chat.template import render_chat
@@ -142,8 +142,7 @@ def _grammar(runtime: Runtime, plan: ChatPlan, tools_enabled: bool, harmony: boo
     if plan.raw_prompt is not None:
         return None
     if harmony:
-        forced = bool(plan.tools) and (plan.tool_choice == "required" or isinstance(plan.tool_choice, dict))
-        forced = forced or (plan.response_format or {}).get("type") in ("json_object", "json_schema")
+        forced = holds_to_grammar(plan.tools, plan.tool_choice, plan.response_format)
         tags = (harmony_special_tags(runtime.tokenizer) or frozenset()) if forced else frozenset()
         return checked_grammar(plan, harmony=tags)
     return checked_grammar(plan, special_tags(runtime.tokenizer) if tools_enabled else frozenset())

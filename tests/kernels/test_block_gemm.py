@@ -96,14 +96,6 @@ def test_zero_rows_of_activations_give_zero():
     assert torch.equal(gemm.linear(torch.zeros(2, 768)), torch.zeros(2, 29))
 
 
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    lib = native.build_variant(["-DBLOCK_GEMM_FORCE_PORTABLE"], tmp_path_factory.mktemp("portable"),
-                               block_linear.SIGNATURES)
-    assert lib is not None, "the C sources did not compile"
-    assert lib.block_gemm_avx2() == 0
-    return lib
-
 
 def assert_same_bits(other, monkeypatch, rows: int) -> None:
     """This machine's library and `other` (another build of the same sources) give the same bits on
@@ -116,16 +108,6 @@ def assert_same_bits(other, monkeypatch, rows: int) -> None:
         monkeypatch.undo()
         assert torch.equal(fast, slow), (rows, [w.type_name for w in gemm.weights])
 
-
-@pytest.fixture(scope="module")
-def no_vnni_library(tmp_path_factory):
-    """The same sources built without the VNNI kernels (None where the CPU has no VNNI: nothing to
-    compare), built once for the module."""
-    if not block_linear.library().block_gemm_vnni():
-        return None
-    lib = native.build_variant(["-DBLOCK_GEMM_NO_VNNI"], tmp_path_factory.mktemp("no-vnni"), block_linear.SIGNATURES)
-    assert lib is not None and lib.block_gemm_avx2() and not lib.block_gemm_vnni()
-    return lib
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])

@@ -32,20 +32,6 @@ def lib():
     return lib
 
 
-@pytest.fixture(scope="module")
-def no_amx_library(lib, tmp_path_factory):
-    """The same sources built without the tiles: the VNNI kernels at every row count."""
-    other = native.build_variant(["-DBLOCK_GEMM_NO_AMX"], tmp_path_factory.mktemp("no-amx"), block_linear.SIGNATURES)
-    assert other is not None and other.block_gemm_vnni() and not other.block_gemm_amx()
-    return other
-
-
-@pytest.fixture(scope="module")
-def portable_library(lib, tmp_path_factory):
-    other = native.build_variant(["-DBLOCK_GEMM_FORCE_PORTABLE"], tmp_path_factory.mktemp("portable-amx"),
-                                 block_linear.SIGNATURES)
-    assert other is not None and not other.block_gemm_avx2() and not other.block_gemm_amx()
-    return other
 
 
 def on(other, monkeypatch, gemm: BlockLinear, x: torch.Tensor, bias, threads: int) -> torch.Tensor:

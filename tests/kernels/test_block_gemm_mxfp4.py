@@ -169,24 +169,6 @@ def test_mixed_with_other_types_is_the_separate_calls():
     assert torch.equal(pair.linear(x), torch.cat([BlockLinear([w]).linear(x) for w in pair.weights], dim=1))
 
 
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    lib = native.build_variant(["-DBLOCK_GEMM_FORCE_PORTABLE"], tmp_path_factory.mktemp("portable-mxfp4"),
-                               block_linear.SIGNATURES)
-    assert lib is not None, "the C sources did not compile"
-    assert lib.block_gemm_avx2() == 0
-    return lib
-
-
-@pytest.fixture(scope="module")
-def no_vnni_library(tmp_path_factory):
-    """The same sources without the VNNI kernels, where this CPU has them (else None: nothing to compare)."""
-    if not block_linear.library().block_gemm_vnni():
-        return None
-    lib = native.build_variant(["-DBLOCK_GEMM_NO_VNNI"], tmp_path_factory.mktemp("no-vnni-mxfp4"),
-                               block_linear.SIGNATURES)
-    assert lib is not None and lib.block_gemm_avx2() and not lib.block_gemm_vnni()
-    return lib
 
 
 def fresh(gemm: BlockLinear) -> BlockLinear:
@@ -252,15 +234,11 @@ def test_repacked_form_is_the_file_bytes_reordered(portable_library, monkeypatch
     monkeypatch.undo()
 
 
-def test_on_the_amx_tiles_the_bits_are_the_vnni_and_portable_ones(portable_library, monkeypatch, tmp_path):
+def test_on_the_amx_tiles_the_bits_are_the_vnni_and_portable_ones(portable_library, no_amx_library, monkeypatch):
     """Where the CPU has AMX-INT8 (and Linux grants the tiles), calls of many rows run MXFP4 there (its
     kvalues as the signed tile weights): the same bits as the VNNI build without the tiles and the
     portable build, a prefill chunk's 512 rows (K in several chunks) included."""
-    lib = block_linear.library()
-    if not lib.block_gemm_amx():
-        pytest.skip("this CPU has no AMX-INT8 (or Linux refused the tile state): the VNNI / AVX2 kernels run here")
-    no_amx = native.build_variant(["-DBLOCK_GEMM_NO_AMX"], tmp_path, block_linear.SIGNATURES)
-    assert no_amx is not None and no_amx.block_gemm_vnni() and not no_amx.block_gemm_amx()
+    lib, no_amx = block_linear.library(), no_amx_library
     for parts, k in (([mxfp4_weight(37, 160, 1)[0], mxfp4_weight(8, 160, 2)[0]], 160),
                      ([mxfp4_weight(45, 2880, 3)[0], weight("Q8_0", 19, 2880, 4)[0], mxfp4_weight(9, 2880, 5)[0]], 2880)):
         gemm = BlockLinear(parts)

@@ -11,7 +11,8 @@ its differences, checked against transformers' GptOssForCausalLM.
   activation is OpenAI's clamped SwiGLU, (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g) with
   g = min(gate, 7).
 
-The experts run on the GGUF's blocks (MXFP4 in OpenAI's files: `moe_blocks.BiasedBlockExperts`).
+The experts run on the GGUF's blocks (MXFP4 in OpenAI's files: `moe_blocks.BlockExperts` with their
+biases and `swiglu`).
 """
 
 from __future__ import annotations
