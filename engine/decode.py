@@ -20,7 +20,7 @@ from typing import Any
 from agentfold.engine.constraints import Constraint, GrammarConstraint
 from agentfold.engine.depth import DepthController, DraftOdds
 from agentfold.engine.detokenizer import Detokenizer, find_stop, held_back
-from agentfold.engine.drafters import Drafter
+from agentfold.engine.drafters import Drafter, PredictionDrafter
 from agentfold.engine.lazy_calls import LazyCallConstraint, is_lazy
 from agentfold.engine.protocol import Backend, CacheState, Checkpoint
 from agentfold.engine.sampler import SamplingParams, TokenLogprob, choose, token_logprob
@@ -42,6 +42,7 @@ PROMPT_PASS_MAX = 128
 # with SmolLM2-135M, 512 tokens take 0.9 s at the start of a prompt and 2.8 s at 4K tokens, and
 # prefill runs at 96% of the rate of 2048-token chunks (275 vs 287 tok/s over 4K tokens).
 PREFILL_CHUNK = 512
+PREDICTION_PRIOR = 0.9  # a reply's acceptance estimate at its start when the client sent a prediction
 
 
 @dataclass
@@ -54,6 +55,7 @@ class GenerationConfig:
     draft: bool = True
     grammar: str | None = None  # llguidance (Lark) grammar every row follows (a lazy one: engine.lazy_calls)
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and its row's N most likely
+    prediction: tuple[int, ...] = ()  # ids the client expects the reply to repeat (Predicted Outputs): drafts
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -96,6 +98,13 @@ class DecodeStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    def prediction_tokens(self) -> dict[str, int]:
+        """Predicted Outputs' counts as OpenAI names them: the prediction's drafts the verify passes
+        kept and those they threw away; zeros where the reply drafted from no prediction."""
+        predicted = self.draft_method == "prediction"
+        return {"accepted_prediction_tokens": self.accepted if predicted else 0,
+                "rejected_prediction_tokens": self.drafted - self.accepted if predicted else 0}
 
     @property
     def decode_tps(self) -> float:
@@ -284,13 +293,11 @@ class Engine:
         offload_mark = offload.snapshot() if offload is not None else None
         yield from self._prefill(prompt, cache, cuts, on_prefill, stats, prefill_in_passes)
 
-        drafting = config.draft and self.drafter is not None and self.max_drafts > 0
-        stats.draft_method = self.drafter.name if drafting else "none"
-        fork = getattr(self.drafter, "fork", None)
-        reply = _Reply(history=list(prompt), detok=Detokenizer(self.tokenizer),
-                       drafter=(fork() if fork is not None else self.drafter) if drafting else None,  # per-reply state
-                       constraint=self.constraint(config.grammar),
-                       odds=self.controller.start())
+        drafter = self._reply_drafter(config, len(prompt))
+        stats.draft_method = drafter.name if drafter is not None else "none"
+        odds = self.controller.start(PREDICTION_PRIOR if config.prediction else None)
+        reply = _Reply(history=list(prompt), detok=Detokenizer(self.tokenizer), drafter=drafter,
+                       constraint=self.constraint(config.grammar), odds=odds)
         while reply.finish is None:
             drafts, draft_seconds = self._propose(reply, config)
             checkpoint = self.backend.checkpoint(cache) if drafts else None
@@ -308,6 +315,18 @@ class Engine:
             stats.offload = offload.report(offload_mark)
         return Completion(reply.emitted, reply.detok.text, reply.finish, stats,
                           reply.logprobs if config.logprobs is not None else None)
+
+    def _reply_drafter(self, config: GenerationConfig, start: int) -> Drafter | None:
+        """The reply's own drafter: its prediction where the request sent one (whatever drafter the
+        engine was built with), else a fork of the engine's; none when the reply is serial."""
+        if not config.draft or self.controller.max_depth <= 0:
+            return None
+        if config.prediction:
+            return PredictionDrafter(config.prediction, start)
+        if self.drafter is None:
+            return None
+        fork = getattr(self.drafter, "fork", None)
+        return fork() if fork is not None else self.drafter  # per-reply state
 
     def constraint(self, grammar: str | None) -> Constraint | None:
         """A reply's grammar: a lazy tool-call grammar (`engine.lazy_calls`) or one every row follows."""

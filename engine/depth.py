@@ -42,9 +42,10 @@ class DepthController:
         self.draft_seconds = 0.0  # drafter time per proposed token
         self.odds = DraftOdds(prior)  # the estimate of callers that keep none of their own
 
-    def start(self) -> DraftOdds:
-        """A new reply's acceptance estimate, at the prior."""
-        return DraftOdds(self.prior)
+    def start(self, prior: float | None = None) -> DraftOdds:
+        """A new reply's acceptance estimate, at the controller's prior or the one given (a client's
+        prediction of the reply is usually right)."""
+        return DraftOdds(self.prior if prior is None else prior)
 
     def observe_pass(self, rows: int, seconds: float, odds: DraftOdds | None = None, own: int | None = None) -> None:
         """A pass of `rows` rows took `seconds`; `own` of them were the reply's with `odds` (the

@@ -89,6 +89,71 @@ class SuffixLookupDrafter:
         return list(tokens[best_end : best_end + room])
 
 
+class PredictionDrafter:
+    """Drafts from what the client expects the reply to be (OpenAI's Predicted Outputs).
+
+    An editor that asks for a file with a few lines changed sends the file as it is: most of the
+    reply is that text again. While the reply so far equals the prediction's start, the next
+    tokens of the prediction are proposed; once the reply departs from it (an edited line), the
+    reply's last `min_match` tokens are looked up in the prediction and what followed their
+    longest match there is proposed, so drafting resumes where the reply rejoins the text.
+    Proposals are only guesses: the verify pass decides, so the reply is the one serial decoding
+    makes whatever the prediction holds. `start`: where the reply begins in the history.
+    """
+
+    name = "prediction"
+
+    def __init__(self, prediction: Sequence[int], start: int, min_match: int = 2, max_match: int = 64) -> None:
+        self.prediction = [int(token) for token in prediction]
+        self.start = start
+        self.min_match = min_match
+        self.max_match = max_match
+        self._ends: dict[tuple[int, ...], list[int]] = defaultdict(list)  # n-gram -> where it ends
+        for end in range(min_match, len(self.prediction) + 1):
+            self._ends[tuple(self.prediction[end - min_match : end])].append(end)
+        self.reset()
+
+    def fork(self) -> PredictionDrafter:
+        return PredictionDrafter(self.prediction, self.start, self.min_match, self.max_match)
+
+    def reset(self) -> None:
+        self._prefix = 0  # reply tokens known to equal the prediction's first ones
+
+    def propose(self, history: Sequence[int], k: int, params: SamplingParams) -> list[int]:
+        reply = history[self.start :]
+        if k <= 0 or len(history) < self.start:
+            return []
+        at = self._aligned(reply)
+        if at is None:
+            at = self._rejoin(reply)
+        return self.prediction[at : at + k] if at is not None else []
+
+    def _aligned(self, reply: Sequence[int]) -> int | None:
+        """len(reply) while the reply is the prediction's start (checked once a token), else None."""
+        prediction = self.prediction
+        self._prefix = min(self._prefix, len(reply))
+        while self._prefix < len(reply) and self._prefix < len(prediction) and (
+                reply[self._prefix] == prediction[self._prefix]):
+            self._prefix += 1
+        return len(reply) if self._prefix == len(reply) else None
+
+    def _rejoin(self, reply: Sequence[int]) -> int | None:
+        """Where the prediction continues the longest match of the reply's tail (the first of the
+        longest, ties to the earliest: a predicted file is read top to bottom), or None."""
+        n = self.min_match
+        if len(reply) < n:
+            return None
+        best_end, best_len = None, 0
+        for end in self._ends.get(tuple(reply[-n:]), ()):
+            length = n
+            while (length < self.max_match and length < len(reply) and end - length - 1 >= 0
+                   and self.prediction[end - length - 1] == reply[-length - 1]):
+                length += 1
+            if length > best_len:
+                best_end, best_len = end, length
+        return best_end
+
+
 class DraftModelDrafter:
     """A small model that shares the target's tokenizer drafts a chain, one token at a time.
 

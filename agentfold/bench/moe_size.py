@@ -16,10 +16,13 @@ both): every layer routes to every expert, so the blocks each engine repacks int
 same seeded random ids: a prompt of `prefill` tokens, then `max_tokens` tokens of greedy serial decode; prefill
 rate = prompt tokens / time to the first token, decode rate = tokens after the first / the time after
 it (`bench.rates.steady_tps`). AgentFold (`build_engine(path, backend="torch", device="cpu",
-quant="blocks")`, suffix drafting, its load-time row-exactness check included in its load time) then
-continues on a prompt that repeats itself, the prompt plus a window of its own ids (a code edit's
-shape): the same cached prefix decoded serially and drafted, tokens a pass, acceptance, and whether
-the drafted reply equals the serial one (it must). llama.cpp (llama-cpp-python, one `Llama`, its
+quant="blocks")`, its load-time row-exactness check included in its load time) then continues on a
+prompt that repeats itself, the prompt plus a window of its own ids (a code edit's shape): the same
+cached prefix decoded serially, then drafted with the serial reply as the request's prediction
+(OpenAI's Predicted Outputs, `engine.drafters.PredictionDrafter`): tokens a pass, acceptance, and
+whether the drafted reply equals the serial one (it must). Random weights copy nothing from their
+prompt, so a suffix drafter finds nothing to propose on them (the first gpt-oss run drafted 0 tokens);
+a prediction that is all right is the verify passes' best case at the real shape. llama.cpp (llama-cpp-python, one `Llama`, its
 default batch sizes, as many threads as the engine) decodes the same prompt through
 `bench.llamacpp.decode`. Random weights route tokens and accept drafts as no trained model would:
 the rates are the kernels' at the real shapes, the drafting figures are not a real model's.
@@ -77,7 +80,7 @@ def prompt_ids(shape: MoEShape, count: int, seed: int, key: int = 0) -> list[int
 
 def repeated_prompt(prompt: Sequence[int]) -> tuple[list[int], dict[str, int]]:
     """The prompt with a window of its own ids appended (a code edit re-emitting what it was shown),
-    so a suffix drafter finds the tail earlier in the prompt and proposes what followed it there."""
+    which the bench decodes serially, then drafted with that serial reply as its prediction."""
     window = max(4, min(REPEAT_WINDOW, len(prompt) // 4))
     start = len(prompt) // 2
     return list(prompt) + list(prompt[start : start + window]), {"window": window, "window_start": start}
@@ -139,7 +142,7 @@ def _without(row: dict[str, Any], *keys: str) -> dict[str, Any]:
 
 
 def _agentfold_generate(engine: Any, prompt: list[int], max_tokens: int, draft: bool, cache: Any, say: Say,
-                        what: str) -> Any:
+                        what: str, prediction: Sequence[int] = ()) -> Any:
     """One greedy reply, with a progress line per prefill chunk and every 8 tokens."""
     from agentfold.engine.decode import GenerationConfig
 
@@ -151,7 +154,8 @@ def _agentfold_generate(engine: Any, prompt: list[int], max_tokens: int, draft: 
         done = state.length - start
         say(f"{what}: prefilled {state.length} / {len(prompt)} tokens ({done / seconds:.1f} tok/s so far)")
 
-    generation = engine.stream(prompt, GenerationConfig(max_tokens=max_tokens, draft=draft), cache,
+    generation = engine.stream(prompt, GenerationConfig(max_tokens=max_tokens, draft=draft,
+                                                            prediction=tuple(prediction)), cache,
                                on_prefill=on_prefill)
     made = 0
     for delta in generation:
@@ -203,10 +207,11 @@ def run_agentfold(request: dict[str, Any]) -> dict[str, Any]:
     backend.truncate(cache, len(prompt))
     again = _agentfold_generate(engine, repeated, max_tokens, False, cache, say, "repeated, serial")
     backend.truncate(cache, len(prompt))
-    drafted = _agentfold_generate(engine, repeated, max_tokens, True, cache, say, "repeated, drafted")
+    drafted = _agentfold_generate(engine, repeated, max_tokens, True, cache, say, "repeated, drafted",
+                                  prediction=again.tokens)
     again_row, drafted_row = completion_row(again), completion_row(drafted)
     identical = drafted.tokens == again.tokens
-    say(f"drafted {drafted_row['steady_tps']} tok/s against serial {again_row['steady_tps']} tok/s, "
+    say(f"drafted {drafted_row['reply_tps']} tok/s against serial {again_row['reply_tps']} tok/s, "
         f"{drafted.stats.tokens_per_pass:.2f} tokens a pass, {'identical' if identical else 'DIFFERENT'}")
     exactness = engine.exactness
     return {
@@ -228,8 +233,9 @@ def run_agentfold(request: dict[str, Any]) -> dict[str, Any]:
         "tokens": list(serial.tokens),
         "drafted": {
             "prompt_tokens": len(repeated), "cached_tokens": len(prompt), **where,
-            "serial_tps": again_row["steady_tps"], "drafted_tps": drafted_row["steady_tps"],
-            "speedup": ratio(drafted_row["steady_tps"], again_row["steady_tps"]),
+            "prediction_tokens": len(again.tokens),
+            "serial_tps": again_row["reply_tps"], "drafted_tps": drafted_row["reply_tps"],
+            "speedup": ratio(drafted_row["reply_tps"], again_row["reply_tps"]),
             "tokens_per_pass": rounded(drafted.stats.tokens_per_pass, 4),
             "acceptance_rate": rounded(drafted.stats.acceptance_rate, 4),
             "drafted_tokens": drafted.stats.drafted, "accepted": drafted.stats.accepted,
@@ -473,8 +479,11 @@ def bench_moe(arch: str = "all", out: str | Path | None = None, prefill: int = D
                        "engine_prefill_tps)",
             "decode": "steady_tps: (tokens - 1) / (time of the last token - time of the first), greedy, "
                       "at the prompt's context",
-            "drafted": "AgentFold only: the prompt plus a window of its own ids, from the cached prompt, serial "
-                       "and drafted (suffix lookup); identical must hold",
+            "drafted": "AgentFold only: the prompt plus a window of its own ids, from the cached prompt, serial, "
+                       "then drafted from the serial reply sent as its prediction (Predicted Outputs: every "
+                       "draft right, the verify passes' best case on this shape; random weights copy nothing "
+                       "a suffix drafter could find); rates are reply_tps (tokens / the reply's time after its prefill, the "
+                       "first pass included, as it commits most of a predicted reply); identical must hold",
         },
         "models": models,
     }

@@ -36,6 +36,14 @@ def steady_tps(times: Sequence[float], first_burst: int) -> float | None:
     return (len(times) - first_burst) / span if span > 0 else None
 
 
+def reply_tps(completion: Any) -> float | None:
+    """Tokens over the reply's time after its prefill, the first pass included: the fair rate where
+    a prediction lets the first pass commit most of a reply (`steady_tps` would leave it out)."""
+    stats = completion.stats
+    seconds = stats.total_seconds - stats.prefill_seconds
+    return stats.completion_tokens / seconds if seconds > 0 and stats.completion_tokens else None
+
+
 def token_sha(tokens: Sequence[int]) -> str:
     """The engine's hash of a reply's token ids (equal ids, equal hash, whichever engine made them)."""
     from agentfold.engine.decode import token_sha as engine_token_sha
@@ -53,6 +61,7 @@ def completion_row(completion: Any) -> dict[str, Any]:
         "finish_reason": completion.finish_reason,
         "steady_tps": rounded(steady_tps(times, first_pass)),
         "decode_tps": rounded(stats.decode_tps),  # as DecodeStats reports it
+        "reply_tps": rounded(reply_tps(completion)),
         "prefill_seconds": rounded(stats.prefill_seconds, 4),
         "ttft_seconds": rounded(stats.ttft_seconds, 4),
         "decode_seconds": rounded(stats.decode_seconds, 4),

@@ -88,6 +88,7 @@ class ChatPlan:
     model: str = ""
     raw_prompt: str | list[int] | None = None  # /v1/completions: no chat template
     logprobs: int | None = None  # None: none; N: each token's logprob and its row's N most likely
+    prediction: str = ""  # Predicted Outputs: text the reply is expected to repeat, drafted from (exact)
 
 
 def parse_tool_choice(value: Any, tools: Sequence[ToolSpec], param: str = "tool_choice") -> str | dict[str, str]:

@@ -137,6 +137,23 @@ def get_stop(body: dict, key: str) -> list[str]:
     raise ApiError(f"'{key}' must be a string or an array of strings.", param=key)
 
 
+def get_prediction(body: dict, key: str = "prediction") -> str:
+    """OpenAI's Predicted Outputs: `{"type": "content", "content": text | [{"type": "text", "text": ...}]}`,
+    the text the client expects the reply to repeat (a file being edited), joined; "" when absent."""
+    value = body.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, dict) or value.get("type") != "content":
+        raise ApiError(f"'{key}' must be an object with \"type\": \"content\" and its 'content'.", param=key)
+    content = value.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    raise ApiError(f"'{key}.content' must be a string or an array of text parts.", param=f"{key}.content")
+
+
 def get_seed(body: dict) -> int:
     """`seed` folded into 64 bits (negative and huge seeds are accepted, as OpenAI does)."""
     seed = get_int(body, "seed", default=0)

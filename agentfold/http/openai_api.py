@@ -36,6 +36,7 @@ from agentfold.http.fields import (
     get_bool,
     get_float,
     get_int,
+    get_prediction,
     get_stop,
     read_turn_fields,
 )
@@ -221,7 +222,8 @@ def usage_block(outcome: Outcome) -> dict[str, Any]:
     return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": outcome.reasoning_tokens}}
+            "completion_tokens_details": {"reasoning_tokens": outcome.reasoning_tokens,
+                                          **outcome.completion.stats.prediction_tokens()}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,6 +310,7 @@ def chat_plan(body: dict[str, Any], request: Request) -> ChatPlan:
     plan.response_format = parse_response_format(body.get("response_format"))
     plan.max_tokens, plan.max_tokens_param = max_tokens_field(body, "n_predict", "max_completion_tokens", "max_tokens")
     plan.stop = get_stop(body, "stop")
+    plan.prediction = get_prediction(body)
     return plan
 
 

@@ -125,7 +125,8 @@ def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
     prefix = ""
     config = GenerationConfig(params=params, max_tokens=max_tokens,
                               stop=tuple(dict.fromkeys([*plan.stop, *internal_stops])), draft=plan.draft, logprobs=plan.logprobs,
-                              grammar=_grammar(runtime, plan, tools_enabled, harmony))
+                              grammar=_grammar(runtime, plan, tools_enabled, harmony),
+                              prediction=_prediction_ids(runtime, plan))
     turn_request = TurnRequest(
         prompt=prompt, config=config, api=api, client=client,
         session_id=plan.session_id, audit=plan.audit, model=plan.model,
@@ -134,6 +135,15 @@ def prepare_turn(runtime: Runtime, plan: ChatPlan, api: str, client: str = "",
     return PreparedTurn(turn_request, tools_enabled, prefix, list(plan.stop), len(prompt),
                         tools=list(plan.tools) if tools_enabled else None, parallel=plan.parallel_tool_calls,
                         harmony=harmony)
+
+
+def _prediction_ids(runtime: Runtime, plan: ChatPlan) -> tuple[int, ...]:
+    """The request's predicted text as ids (no special tokens), for the reply's drafter; none when
+    the reply is serial. Tokens at the text's edges may split otherwise in the reply: the drafter
+    looks the reply's tail up in them, so it finds its place again."""
+    if not plan.prediction or not plan.draft:
+        return ()
+    return tuple(runtime.tokenizer.encode(plan.prediction, add_special_tokens=False))
 
 
 def _grammar(runtime: Runtime, plan: ChatPlan, tools_enabled: bool, harmony: bool = False) -> str | None:

@@ -39,6 +39,7 @@ AGENTFOLD_KEYS = {"engine", "backend", "threads", "load_seconds", "model_load_se
                   "decode_tps", "decode", "drafted", "page_cache_read_seconds", *MEMORY_KEYS}
 DRAFTED_KEYS = {"prompt_tokens", "cached_tokens", "window", "window_start", "serial_tps", "drafted_tps", "speedup",
                 "tokens_per_pass", "acceptance_rate", "drafted_tokens", "accepted", "identical", "serial",
+                "prediction_tokens",
                 "drafted_run"}
 LLAMA_KEYS = {"engine", "version", "threads", "n_ctx", "load_seconds", "warmup_seconds", "ready_seconds",
               "memory_after_load", "prefill", "decode_tps", "decode", "weights", "page_cache_read_seconds",
@@ -148,7 +149,9 @@ def test_run_record_is_complete(name: str, runs: dict[str, dict]) -> None:
     assert ours["load_seconds"] > 0 and ours["peak_rss_bytes"] > 0
     drafted = ours["drafted"]
     assert drafted["identical"] is True
-    assert drafted["drafted_run"]["draft_method"] == "suffix" and drafted["drafted_tokens"] > 0
+    # the serial reply was the prediction: drafting ran, and every draft was the target's own token
+    assert drafted["drafted_run"]["draft_method"] == "prediction" and drafted["drafted_tokens"] > 0
+    assert drafted["accepted"] == drafted["drafted_tokens"] and drafted["prediction_tokens"] == MAX_TOKENS
     assert drafted["serial_tps"] > 0 and drafted["drafted_tps"] > 0
     assert record["summary"]["all_identical"] is True and record["summary"]["all_ran"] is True
     theirs = model["llama_cpp"]

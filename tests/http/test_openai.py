@@ -101,6 +101,36 @@ def test_draft_false_equals_drafted(client):
     assert a["draft_method"] == "suffix"
 
 
+def test_predicted_output_equals_serial_and_counts_its_tokens(api_server, client):  # noqa: F811
+    """OpenAI's `prediction` (as the official client sends it): the reply is the serial one, streamed
+    and not; usage says how much of the prediction the reply kept; a malformed one is a 400."""
+    messages = [{"role": "user", "content": "Print this file again with mul renamed to times:\n"
+                 "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"}]
+    serial = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=40,
+                                            extra_body={"draft": False})
+    text = serial.choices[0].message.content
+    predicted = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=40,
+                                               prediction={"type": "content", "content": text})
+    assert predicted.choices[0].message.content == text
+    block = predicted.model_extra["agentfold"]
+    assert block["token_sha"] == serial.model_extra["agentfold"]["token_sha"] and block["draft_method"] == "prediction"
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == block["accepted"] > predicted.usage.completion_tokens // 2
+    assert details.rejected_prediction_tokens == block["drafted"] - block["accepted"]
+    assert serial.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    parts = [{"type": "text", "text": text[:10]}, {"type": "text", "text": text[10:]}]
+    stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=40, stream=True,
+                                            stream_options={"include_usage": True},
+                                            prediction={"type": "content", "content": parts})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+    for bad in ({"type": "text", "content": text}, {"type": "content", "content": [{"type": "image"}]}, "text"):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, prediction=bad)
+        assert "prediction" in error.value.body["param"]
+
+
 def test_same_seed_same_sample(client):
     kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Write a word."}], max_tokens=8,
                   temperature=1.0, top_p=0.95, seed=11)
