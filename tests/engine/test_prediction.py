@@ -60,8 +60,7 @@ def test_predicted_reply_equals_serial(smollm2_engine, edit_prompt, params: Samp
     assert serial.stats.drafted == 0 and len(serial.tokens) >= 24, serial.text
     lines = serial.text.splitlines(keepends=True)
     assert len(lines) >= 4, serial.text
-    middle = len(lines) // 2
-    edited = "".join([*lines[:middle], "# a line the reply does not have\n", *lines[middle + 1:]])
+    edited = "".join([lines[0], "# a line the reply does not have\n", *lines[2:]])  # most of it after
     cases = {"as it is": serial.text, "a line changed": edited,
              "unrelated": "The quick brown fox jumps over the lazy dog. " * 4}
     kept = {}
@@ -75,9 +74,9 @@ def test_predicted_reply_equals_serial(smollm2_engine, edit_prompt, params: Samp
         kept[name] = drafted.stats
     whole = kept["as it is"]
     assert whole.accepted >= len(serial.tokens) // 2 and whole.verify_passes < len(serial.tokens) // 2, whole
-    # past the changed line the drafter found its place again: more kept than the lines before it hold
-    before_edit = len(smollm2_engine.tokenizer.encode("".join(lines[:middle]), add_special_tokens=False))
-    assert kept["a line changed"].accepted > before_edit, (kept["a line changed"], before_edit)
+    # past the changed line the drafter found its place again: many more kept than the line before it holds
+    before_edit = len(smollm2_engine.tokenizer.encode(lines[0], add_special_tokens=False))
+    assert kept["a line changed"].accepted >= before_edit + 8, (kept["a line changed"], before_edit)
     assert kept["unrelated"].accepted <= 2
 
 
