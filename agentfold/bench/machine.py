@@ -12,8 +12,11 @@ import datetime as _dt
 import json
 import os
 import platform
+import resource
 import sys
+import threading
 import time
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -186,3 +189,45 @@ def finish_run(result: dict[str, Any], started: float, out: str | Path) -> None:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def memory_now() -> dict[str, Any]:
+    """This process's peak RSS (getrusage) and, on Linux, /proc's peak and current RSS by kind."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    result: dict[str, Any] = {"peak_rss_bytes": int(peak), "peak_rss_gb": round(peak / 1e9, 3)}
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                    result[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return result
+
+
+def rss_line() -> str:
+    """This process's RSS now, anonymous and of files, for a progress line."""
+    memory = memory_now()
+    return (f"RSS {memory.get('VmRSS', 0) / 1e9:.1f} GB: {memory.get('RssAnon', 0) / 1e9:.1f} anonymous, "
+            f"{memory.get('RssFile', 0) / 1e9:.1f} of files")
+
+
+class Ticker:
+    """Calls `say(message())` every `seconds` on a thread until stopped (for a phase with no steps of its own)."""
+
+    def __init__(self, seconds: float, message: Callable[[], str], say: Callable[[str], None]) -> None:
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(seconds, message, say), daemon=True)
+
+    def _run(self, seconds: float, message: Callable[[], str], say: Callable[[str], None]) -> None:
+        while not self.stop_event.wait(seconds):
+            say(message())
+
+    def __enter__(self) -> Ticker:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_event.set()
+        self.thread.join()

@@ -16,16 +16,12 @@ both): every layer routes to every expert, so the blocks each engine repacks int
 same seeded random ids: a prompt of `prefill` tokens, then `max_tokens` tokens of greedy serial decode; prefill
 rate = prompt tokens / time to the first token, decode rate = tokens after the first / the time after
 it (`bench.rates.steady_tps`). AgentFold (`build_engine(path, backend="torch", device="cpu",
-quant="blocks")`, its load-time row-exactness check included in its load time) then continues on a
-prompt that repeats itself, the prompt plus a window of its own ids (a code edit's shape): the same
-cached prefix decoded serially, then drafted with the serial reply as the request's prediction
-(OpenAI's Predicted Outputs, `engine.drafters.PredictionDrafter`): tokens a pass, acceptance, and
-whether the drafted reply equals the serial one (it must). Random weights copy nothing from their
-prompt, so a suffix drafter finds nothing to propose on them (the first gpt-oss run drafted 0 tokens);
-a prediction that is all right is the verify passes' best case at the real shape. llama.cpp (llama-cpp-python, one `Llama`, its
-default batch sizes, as many threads as the engine) decodes the same prompt through
-`bench.llamacpp.decode`. Random weights route tokens and accept drafts as no trained model would:
-the rates are the kernels' at the real shapes, the drafting figures are not a real model's.
+quant="blocks")`, its row-exactness check in its load time) then decodes the prompt plus a window of
+its own ids serially, and drafted from that serial reply as the request's prediction (Predicted
+Outputs: random weights copy nothing a suffix drafter could find; an all-right prediction is the
+verify passes' best case at the real shape); the drafted reply must equal the serial one. llama.cpp
+(llama-cpp-python, one `Llama`, its default batch sizes, as many threads as the engine) decodes the
+same prompt (`bench.llamacpp.decode`). The rates are the kernels' at the real shapes, not a model's.
 
 Record (`--out`, schema `agentfold.bench.moe/1`): the run header (machine with CPU identity),
 `settings`, per model `file`, `agentfold`, `llama_cpp` (or `{"skipped"|"failed": why}`) and `ratios`
@@ -41,18 +37,17 @@ import collections
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from agentfold.bench.machine import Ticker, memory_now, rss_line
 from agentfold.bench.moe_files import (
     MoEShape,
     Say,
@@ -87,47 +82,6 @@ def repeated_prompt(prompt: Sequence[int]) -> tuple[list[int], dict[str, int]]:
 
 
 # -- the children --------------------------------------------------------------------------------
-
-
-def memory_now() -> dict[str, Any]:
-    """This process's peak RSS (getrusage) and, on Linux, /proc's peak and current RSS by kind."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    result: dict[str, Any] = {"peak_rss_bytes": int(peak), "peak_rss_gb": round(peak / 1e9, 3)}
-    try:
-        with open("/proc/self/status", encoding="ascii") as handle:
-            for line in handle:
-                key, _, value = line.partition(":")
-                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                    result[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return result
-
-
-def _rss() -> str:
-    memory = memory_now()
-    return (f"RSS {memory.get('VmRSS', 0) / 1e9:.1f} GB: {memory.get('RssAnon', 0) / 1e9:.1f} anonymous, "
-            f"{memory.get('RssFile', 0) / 1e9:.1f} of files")
-
-
-class Ticker:
-    """Calls `say(message())` every `seconds` on a thread until stopped (for a phase with no steps of its own)."""
-
-    def __init__(self, seconds: float, message: Callable[[], str], say: Say) -> None:
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(seconds, message, say), daemon=True)
-
-    def _run(self, seconds: float, message: Callable[[], str], say: Say) -> None:
-        while not self.stop_event.wait(seconds):
-            say(message())
-
-    def __enter__(self) -> Ticker:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop_event.set()
-        self.thread.join()
 
 
 def _child_say(engine: str) -> Say:
@@ -177,7 +131,7 @@ def run_agentfold(request: dict[str, Any]) -> dict[str, Any]:
     path, prompt, max_tokens = Path(request["path"]), list(request["prompt"]), int(request["max_tokens"])
     say(f"loading {path.name} (torch on the CPU, on its GGUF blocks; then the row-exactness self-check)")
     began = time.perf_counter()
-    with Ticker(30.0, lambda: f"loading: {time.perf_counter() - began:.0f} s ({_rss()})", say):
+    with Ticker(30.0, lambda: f"loading: {time.perf_counter() - began:.0f} s ({rss_line()})", say):
         engine = build_engine(path, backend="torch", device="cpu", quant="blocks", progress=say)
     load_seconds = time.perf_counter() - began
     backend = engine.backend
@@ -258,7 +212,7 @@ def run_llama_cpp(request: dict[str, Any]) -> dict[str, Any]:
     say(f"loading {path.name} (llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, {threads} threads, "
         f"n_ctx {n_ctx})")
     began = time.perf_counter()
-    with Ticker(30.0, lambda: f"loading: {time.perf_counter() - began:.0f} s ({_rss()})", say):
+    with Ticker(30.0, lambda: f"loading: {time.perf_counter() - began:.0f} s ({rss_line()})", say):
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                               verbose=False)
     load_seconds = time.perf_counter() - began
