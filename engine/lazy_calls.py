@@ -59,13 +59,14 @@ def is_lazy(grammar: str | None) -> bool:
     return bool(grammar) and grammar.startswith(LAZY_MARK)
 
 
-def _regex(literal: str) -> str:
+def regex_literal(literal: str) -> str:
+    """`literal` as an llguidance regex that matches it alone (its special characters escaped)."""
     return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in literal)
 
 
 def _name_head(name: str) -> str:
     """Regex of `{"name": "<name>"` with free whitespace: the start of a JSON call to `name`."""
-    return rf"\{{{WS}\"name\"{WS}:{WS}{_regex(json.dumps(name, ensure_ascii=False))}"
+    return rf"\{{{WS}\"name\"{WS}:{WS}{regex_literal(json.dumps(name, ensure_ascii=False))}"
 
 
 def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] = ()) -> str:

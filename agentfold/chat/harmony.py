@@ -415,6 +415,37 @@ def holds_to_grammar(tools: Sequence[ToolSpec] | None, choice: Any, fmt: dict[st
 
 
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+RECIPIENT = "to=functions."  # a harmony call's recipient, before the tool's name
+
+
+def lazy_harmony_grammar(tools: Sequence[ToolSpec], special: frozenset[str]) -> str:
+    """The lazy tool-call grammar of a harmony reply (`tool_choice` auto; `engine.lazy_calls`' kind):
+    the reply is free (its analysis, preambles, the final answer) until it names a declared tool as
+    its recipient and a space, `to=functions.NAME `, as gpt-oss writes a call's header; from there
+    the message must be a call, `<|constrain|>json<|message|>` (the markers optional, as llama.cpp
+    reads them) and the arguments under that tool's schema. The space is part of the trigger so that
+    a longer name the tools do not declare (`NAME_all`) starts nothing: such a call stays free text,
+    and the parser returns no call for it. A call whose recipient sits in the role header with no
+    space after the name (`to=functions.NAME<|channel|>`: a special token, which free text passes
+    unseen) is not held to the grammar and is read from the text as before. Harmony's markers are
+    special tokens where `special` says so (gpt-oss's tokenizer: all of them).
+    """
+    from agentfold.engine.constraints import declared_only, tag_rule
+    from agentfold.engine.lazy_calls import LAZY_MARK, regex_literal
+
+    def tag(text: str) -> str:
+        return tag_rule(text, special)
+
+    lines = [LAZY_MARK.rstrip("\n"), "%llguidance {}", "start: call* free", "free: TEXT", r"TEXT: /(.|\n)*/",
+             f"header: ({tag(CHANNEL)} \"commentary\" \" \"?)? ({tag(CONSTRAIN)}? \"json\")? {tag(MESSAGE)}"]
+    calls = []
+    for i, tool in enumerate(tools):
+        schema = {**declared_only(tool.parameters or {"type": "object"}), "x-guidance": _COMPACT}
+        lines += [f"trigger_{i}[lazy]: TEXT /{regex_literal(RECIPIENT + tool.name + ' ')}/",
+                  f"args_{i}: %json {json.dumps(schema)}", f"call_{i}: trigger_{i} header args_{i}"]
+        calls.append(f"call_{i}")
+    lines.append(f"call: {' | '.join(calls)}")
+    return "\n".join(lines) + "\n"
 
 
 def harmony_grammar(tools: Sequence[ToolSpec], choice: str | dict[str, str], fmt: dict[str, Any] | None,

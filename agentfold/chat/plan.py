@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from agentfold.chat.harmony import harmony_grammar
+from agentfold.chat.harmony import harmony_grammar, lazy_harmony_grammar
 from agentfold.chat.template import trailing_instruction
 from agentfold.chat.tools import ToolSpec
 from agentfold.engine.constraints import json_object_grammar, json_schema_grammar, tool_call_grammar
@@ -150,8 +150,8 @@ def grammar_for(plan: ChatPlan, special_tags: frozenset[str] | None = frozenset(
 
     `harmony`: the model writes harmony (gpt-oss; `chat.harmony`), and these of its tags are one
     special token each: a forced call or JSON output is held to its harmony form
-    (`harmony_grammar`), and with `tool_choice` auto the reply is free (the lazy grammar's
-    triggers are the <tool_call> and JSON forms, which a harmony reply does not use).
+    (`harmony_grammar`), and with `tool_choice` auto a call once its header names a declared tool
+    (`lazy_harmony_grammar`).
 
     The engine masks rows with it (serial and verify alike), so even a small model returns a
     well-formed call, and drafting stays exact. With `tool_choice` auto the grammar is lazy
@@ -160,6 +160,8 @@ def grammar_for(plan: ChatPlan, special_tags: frozenset[str] | None = frozenset(
     (`engine.lazy_calls.special_tags`); None where the tokenizer cannot take a lazy grammar.
     """
     if harmony is not None:
+        if plan.tools and plan.tool_choice == "auto" and not plan.response_format:
+            return lazy_harmony_grammar(plan.tools, harmony)
         return harmony_grammar(plan.tools, plan.tool_choice, plan.response_format, harmony)
     if plan.tools and (plan.tool_choice == "required" or isinstance(plan.tool_choice, dict)):
         tools = [{"name": t.name, "parameters": t.parameters} for t in plan.tools]

@@ -152,7 +152,8 @@ def _grammar(runtime: Runtime, plan: ChatPlan, tools_enabled: bool, harmony: boo
     if plan.raw_prompt is not None:
         return None
     if harmony:
-        forced = holds_to_grammar(plan.tools, plan.tool_choice, plan.response_format)
-        tags = (harmony_special_tags(runtime.tokenizer) or frozenset()) if forced else frozenset()
-        return checked_grammar(plan, harmony=tags)
+        if not (tools_enabled or holds_to_grammar(plan.tools, plan.tool_choice, plan.response_format)):
+            return None
+        tags = harmony_special_tags(runtime.tokenizer)
+        return checked_grammar(plan, harmony=tags) if tags is not None else None
     return checked_grammar(plan, special_tags(runtime.tokenizer) if tools_enabled else frozenset())

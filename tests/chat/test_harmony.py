@@ -397,4 +397,4 @@ def test_forced_calls_and_json_have_a_harmony_grammar():
     assert llguidance.LLMatcher.validate_grammar(grammar) == ""
     assert llguidance.LLMatcher.validate_grammar(harmony_grammar([], "auto", {"type": "json_object"},
                                                                  frozenset())) == ""
-    assert harmony_grammar([WEATHER], "auto", None, frozenset()) is None  # auto: calls read from the text
+    assert harmony_grammar([WEATHER], "auto", None, frozenset()) is None  # auto: lazy_harmony_grammar (test_harmony_lazy)
