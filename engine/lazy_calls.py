@@ -7,7 +7,10 @@ free until the reply names a declared tool in one of the ways the served models 
 - the Hermes / Qwen tag `<tool_call>` (a single special token where the tokenizer has one, as
   Qwen2.5's does, else the text; `special_tags` tells which) followed by `{"name": "Read"`;
 - a JSON object that begins by naming a declared tool, `{"name": "Read"` (any whitespace, also
-  inside a fenced json block), as small models and Llama 3.x write calls.
+  inside a fenced json block), as small models and Llama 3.x write calls;
+- Qwen3-Coder's XML call, `<function=Read>` (inside its `<tool_call>` tags): each declared parameter
+  then follows as `<parameter=KEY>value</parameter>`, in the schema's order, required ones present,
+  values as the model's template writes them (`_xml_rules`), then `</function>`.
 
 From the declared name's closing quote to the end of the call every token must follow the call's
 grammar: that tool's arguments under its JSON schema (`declared_only`), under `"arguments"` or
@@ -75,12 +78,12 @@ def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] 
     if not tools:
         raise ValueError("a lazy tool grammar needs at least one tool")
     lines = [LAZY_MARK.rstrip("\n"), "%llguidance {}", "start: call* free", "free: TEXT", r"TEXT: /(.|\n)*/",
-             f"WS: /{WS}/", f"ARGKEY: /{WS},{WS}\"(arguments|parameters)\"{WS}:{WS}/", f"CLOSE: /{WS}\\}}/"]
+             f"WS: /{WS}/", r'xml_text[lazy]: /(.|\n)*/ "</parameter>"', f"ARGKEY: /{WS},{WS}\"(arguments|parameters)\"{WS}:{WS}/", f"CLOSE: /{WS}\\}}/"]
     close = tag_rule("</tool_call>", special)
     calls, bodies, heads = [], [], []
     for i, tool in enumerate(tools):
         schema = {**declared_only(tool.get("parameters") or {"type": "object"}), "x-guidance": _JSON_OPTIONS}
-        head = _name_head(tool["name"])
+        head, function = _name_head(tool["name"]), regex_literal(f"<function={tool['name']}>")
         lines += [f"args_{i}: %json {json.dumps(schema)}",
                   f"rest_{i}: ARGKEY args_{i} CLOSE",
                   f"HEAD_{i}: /{head}/",
@@ -88,8 +91,11 @@ def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] 
                   f"json_{i}: json_trig_{i} rest_{i}",
                   f"tag_trig_{i}[lazy]: TEXT /<tool_call>{WS}{head}/",
                   f"tagged_{i}: tag_trig_{i} rest_{i} WS {close}",
-                  f"body_{i}: HEAD_{i} rest_{i}"]
-        calls += [f"json_{i}", f"tagged_{i}"]
+                  f"body_{i}: HEAD_{i} rest_{i}",
+                  *_xml_rules(i, schema),
+                  f"xml_trig_{i}[lazy]: TEXT /{function}/",
+                  f"xml_{i}: xml_trig_{i} xml_rest_{i} (WS {close})?"]
+        calls += [f"json_{i}", f"tagged_{i}", f"xml_{i}"]
         bodies.append(f"body_{i}")
         heads.append(head)
     lines.append(f"body: {' | '.join(bodies)}")
@@ -99,6 +105,36 @@ def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] 
         calls.append("tagged_token")
     lines.append(f"call: {' | '.join(calls)}")
     return "\n".join(lines) + "\n"
+
+
+def _xml_rules(i: int, schema: dict[str, Any]) -> list[str]:
+    """Rules of tool i's XML call after its `<function=NAME>` (Qwen3-Coder's form, as its template
+    writes one): each declared parameter in the schema's order, `<parameter=KEY>`, the value, then
+    `</parameter>`; required ones must come, optional ones may. Values as the template writes them
+    (Jinja's string filter): an integer or a number as JSON, a boolean `true` / `false` or Python's
+    `True` / `False`, one of a string enum's values; a string, an object or an array as any text up
+    to the first `</parameter>` (a lazy lexeme: an agent's file contents are free, and the template
+    writes objects as Python's repr, which the parser reads as vLLM's does)."""
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = set(schema.get("required") or ())
+    lines, steps = [], []
+    for j, (key, sub) in enumerate(properties.items()):
+        sub = sub if isinstance(sub, dict) else {}
+        kind, enum = sub.get("type"), sub.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            value = "(" + " | ".join(json.dumps(v) for v in enum) + ")"
+        elif kind in ("integer", "number"):
+            lines.append(f"value_{i}_{j}: %json {json.dumps({**sub, 'x-guidance': _JSON_OPTIONS})}")
+            value = f"value_{i}_{j}"
+        elif kind == "boolean":
+            value = '("true" | "false" | "True" | "False")'
+        else:
+            value = ""
+        closed = f"WS {value} WS \"</parameter>\"" if value else "xml_text"  # xml_text ends with the tag
+        lines.append(f"param_{i}_{j}: {json.dumps(f'<parameter={key}>')} {closed} WS")
+        steps.append(f"param_{i}_{j}" + ("" if key in required else "?"))
+    lines.append(f"xml_rest_{i}: WS {' '.join(steps)} \"</function>\"")
+    return lines
 
 
 @lru_cache(maxsize=8)
