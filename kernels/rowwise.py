@@ -25,6 +25,7 @@ SIGNATURES = {
     "silu_mul": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "gelu_tanh_mul": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "rope": ([_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _INT], _INT),
+    "float_rows": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
 }
 _LIBRARY: list[ctypes.CDLL | None] = []  # `native.load`'s answer, kept here: these calls are a few us each
 
@@ -143,4 +144,23 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     if lib.rope(x.data_ptr(), m, heads, d, strides[0], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                 length, out.data_ptr(), torch.get_num_threads()):
         raise IndexError(f"a position outside the table's {length} rows, or odd head size {d}")
+    return out
+
+
+def float_rows(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [m, k] @ wt [k, n] (+ bias [n]) in float32, every output's sum over k in order, one multiply
+    and one add a step: row-exact by construction (a row's bits are its one-row call's), for small
+    weights such as a MoE router. None where the C library or float32 CPU operands are missing."""
+    lib = library()
+    if lib is None or not _cpu_float(x, wt) or (bias is not None and not _cpu_float(bias)) or x.dim() != 2:
+        return None
+    (m, k), n = x.shape, wt.shape[1]
+    if wt.shape[0] != k:
+        raise ValueError(f"rows of {k} against weights {tuple(wt.shape)}")
+    x, wt = x.contiguous(), wt.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        lib.float_rows(x.data_ptr(), m, k, wt.data_ptr(), n, bias.data_ptr() if bias is not None else None,
+                       out.data_ptr(), torch.get_num_threads())
     return out

@@ -242,3 +242,85 @@ int rope(const float *x, int64_t m, int64_t heads, int64_t d, int64_t x_stride, 
     pool_for(team(threads, m, m * heads * d, MUL_GRAIN), m, rope_row, &job);
     return 0;
 }
+
+/* A small float linear layer row by row: out[i, j] = (sum over t of x[i, t] * wt[t, j]) (+ bias[j]),
+ * for a MoE router ([hidden, experts] transposed weights, a few MB at most): every output's sum runs
+ * over t from 0 in order, one multiply and one add a step (no FMA: -ffp-contract=off), then the bias;
+ * in 8-wide vectors of outputs, which changes nothing (each lane is its own chain). So a row's bits
+ * are the one-row call's whatever the row count or thread, where a vendor GEMM picks kernels by the
+ * row count (torch_cpu.aligned_mm calls it one row at a time for that: ~2,000 calls a 512-row chunk
+ * on Qwen3-Coder-30B-A3B's 48 routers, 7% of its prefill).
+ *
+ * Order of the work (speed only): a task is up to TASK_ROWS rows, its outputs the running sums; t is
+ * cut into chunks of CHUNK, and within a chunk 4 rows x 16 outputs at a time keep their sums in
+ * registers while t runs through the chunk (each weight vector read once for 4 rows, the chunk's
+ * weights read from L1 / L2 by every 4 rows of the task); a sum leaves a chunk where the next
+ * takes it up, so every chain still runs t in order. */
+typedef float v8 __attribute__((vector_size(32)));
+#define TASK_ROWS 32
+#define CHUNK 256
+
+struct rows_job {
+    const float *x, *wt, *bias;
+    float *out;
+    int64_t m, k, n;
+};
+
+static inline v8 load8(const float *p, int64_t count) {
+    v8 v = {0};
+    if (count == 8) memcpy(&v, p, sizeof v); /* (a constant size: one vector load) */
+    else memcpy(&v, p, (size_t)count * sizeof(float));
+    return v;
+}
+
+static inline void store8(float *p, v8 v, int64_t count) {
+    if (count == 8) memcpy(p, &v, sizeof v);
+    else memcpy(p, &v, (size_t)count * sizeof(float));
+}
+
+/* rows (<= 4) rows' 16 outputs from column j (cols of them) over t in [from, to). */
+static inline void rows_slice(const struct rows_job *job, const float *x, float *out, int64_t rows, int64_t j,
+                              int64_t from, int64_t to) {
+    int64_t k = job->k, n = job->n, low = n - j < 8 ? n - j : 8, high = n - j - 8 < 0 ? 0 : (n - j - 8 < 8 ? n - j - 8 : 8);
+    v8 acc[4][2] = {{{0}}};
+    for (int64_t r = 0; r < rows; r++) {
+        acc[r][0] = load8(out + r * n + j, low);
+        if (high) acc[r][1] = load8(out + r * n + j + 8, high);
+    }
+    for (int64_t t = from; t < to; t++) {
+        v8 w0 = load8(job->wt + t * n + j, low), w1 = high ? load8(job->wt + t * n + j + 8, high) : (v8){0};
+        for (int64_t r = 0; r < rows; r++) {
+            float xv = x[r * k + t];
+            acc[r][0] = acc[r][0] + xv * w0;
+            acc[r][1] = acc[r][1] + xv * w1;
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        store8(out + r * n + j, acc[r][0], low);
+        if (high) store8(out + r * n + j + 8, acc[r][1], high);
+    }
+}
+
+static void rows_task(void *context, int64_t task) {
+    const struct rows_job *job = context;
+    int64_t first = task * TASK_ROWS, rows = job->m - first < TASK_ROWS ? job->m - first : TASK_ROWS;
+    int64_t k = job->k, n = job->n;
+    float *out = job->out + first * n;
+    memset(out, 0, (size_t)(rows * n) * sizeof(float));
+    for (int64_t from = 0; from < k; from += CHUNK) {
+        int64_t to = from + CHUNK < k ? from + CHUNK : k;
+        for (int64_t j = 0; j < n; j += 16)
+            for (int64_t r = 0; r < rows; r += 4)
+                rows_slice(job, job->x + (first + r) * k, out + r * n, rows - r < 4 ? rows - r : 4, j, from, to);
+    }
+    if (job->bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < n; j++) out[r * n + j] = out[r * n + j] + job->bias[j];
+}
+
+void float_rows(const float *x, int64_t m, int64_t k, const float *wt, int64_t n, const float *bias, float *out,
+                int threads) {
+    struct rows_job job = {x, wt, bias, out, m, k, n};
+    int64_t tasks = (m + TASK_ROWS - 1) / TASK_ROWS;
+    pool_for(team(threads, tasks, m * k * n / 16, MUL_GRAIN), tasks, rows_task, &job);
+}

@@ -201,3 +201,30 @@ def test_none_where_it_does_not_apply(monkeypatch):
     assert rowwise.silu_mul(x) is None
     assert rowwise.gelu_tanh_mul(x) is None
     assert rowwise.rope(x.view(3, 1, 64), positions, rope.cos, rope.sin) is None
+
+
+@pytest.mark.parametrize("k, n", [(2048, 128), (2880, 32), (37, 13), (5, 1)])
+@pytest.mark.parametrize("biased", [False, True], ids=["no bias", "bias"])
+def test_float_rows_rows_equal_one_row_calls(k, n, biased, threads):
+    """A router's GEMM: each row's bits are its one-row call's (any row count, odd widths), and the
+    numbers are float64's within float32 rounding of a k-term sum."""
+    wt, bias = probe(k, n, seed=2, scale=0.05), (probe(n, seed=3) if biased else None)
+    for m in (1, 3, 4, 5, 130):
+        x = probe(m, k, seed=m)
+        assert_rows_alone(lambda rows: rowwise.float_rows(rows, wt, bias), x)
+    x = probe(130, k, seed=9)
+    reference = x.double() @ wt.double() + (bias.double() if biased else 0)
+    bound = 4 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ wt.abs().double() + 1)
+    assert ((rowwise.float_rows(x, wt, bias).double() - reference).abs() <= bound).all()
+
+
+def test_float_rows_sums_in_order():
+    """Each output is the sequential chain acc = acc + x_t * w_t from t = 0 (float32, no fused
+    multiply-add): a sum that cancels shows the order, which any other grouping would change."""
+    x = torch.tensor([[1e8, 1.0, -1e8, 1.0]])
+    wt = torch.ones(4, 3)
+    out = rowwise.float_rows(x, wt)
+    chain = torch.zeros(3)
+    for t in range(4):
+        chain = chain + x[0, t] * wt[t]
+    assert torch.equal(out[0], chain) and out[0, 0].item() == 1.0  # (1e8 + 1) rounds to 1e8 in float32

@@ -29,7 +29,7 @@ from agentfold.engine.gguf_model import GGUFModel
 from agentfold.engine.torch.models import gpt_oss, ops
 from agentfold.engine.torch.models.llama import Linear
 from agentfold.engine.torch.models.qwen3_moe import GroupedExperts, MoEBlock, combine, moe_blocks
-from agentfold.kernels import block_linear, torch_cpu
+from agentfold.kernels import block_linear, rowwise, torch_cpu
 from agentfold.kernels.block_linear import BlockLinear, BlockWeight
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -106,11 +106,17 @@ class RowByRowLinear(Linear):
 
     Exact by construction: a row's bits are those of the same [1, in] call whatever the pass's width,
     where a vendor GEMM over many rows switches kernels at widths of its own (`kernels.torch_cpu`).
+    On the CPU every row runs in one C call (`kernels.rowwise.float_rows`: each output's sum in
+    order over the inputs); elsewhere, or without the C library, one GEMM call a row.
     Meant for small weights such as a router ([experts, hidden]): the calls are cheap next to the
     experts they choose.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # one C call, every row by the same fixed chain (`kernels.rowwise.float_rows`)
+            out = rowwise.float_rows(x, self.weight.t(), self.bias)
+            if out is not None:
+                return out
         rows = [torch_cpu.aligned_mm(x[i : i + 1].contiguous(), self.weight) for i in range(x.shape[0])]
         out = rows[0] if len(rows) == 1 else torch.cat(rows)
         return out + self.bias if self.bias is not None else out  # (an add per element: the same bits)
