@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from agentfold.cli.args import (
@@ -38,6 +39,9 @@ def add_parser(sub: Any) -> None:
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--system", help="system message")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--prediction", metavar="FILE",
+                     help="text the reply is expected to repeat, e.g. the file being edited: drafts come from it "
+                          "(OpenAI's Predicted Outputs; the reply is the one --no-draft gives)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print the telemetry line as JSON")
 
@@ -54,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     trained = described.context_length
     check_ctx_size(args.ctx_size, trained, described.name)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prediction = Path(args.prediction).read_text(encoding="utf-8") if args.prediction else ""  # before the load
     drafter = drafter_choice(args)
     engine = build_engine(path, dtype=args.dtype, drafter=drafter, draft_model=args.draft_model,
                           progress=progress, backend=args.backend, device=args.device, quant=args.quant,
@@ -73,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed)
     max_tokens = args.max_tokens if context is None else min(args.max_tokens, context - len(ids))
-    config = GenerationConfig(params=params, max_tokens=max_tokens, stop=tuple(args.stop), draft=not args.no_draft)
+    config = GenerationConfig(params=params, max_tokens=max_tokens, stop=tuple(args.stop), draft=not args.no_draft,
+                              prediction=tuple(tokenizer.encode(prediction, add_special_tokens=False)))
     generation = engine.stream(ids, config)
     for delta in generation:
         sys.stdout.write(delta.text)
