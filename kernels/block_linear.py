@@ -35,6 +35,7 @@ SIGNATURES: dict[str, list | tuple[list, object]] = {
     "block_gemm_amx_calls": ([], _I64),
     "block_gemm_amx_min_rows": ([], _INT),
     "block_linear": ([_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT], _INT),
+    "block_linear_rows": ([_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR, _PTR, _PTR, _INT], _INT),
     "block_gemm_packed_type": ([_INT], _INT),
     "block_gemm_packed_bytes": ([_INT, _I64, _I64], _I64),
     "block_gemm_pack": ([_INT, _PTR, _I64, _I64, _PTR, _INT], _INT),
@@ -144,19 +145,33 @@ class BlockLinear:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         """x [m, k] float32 (rows may be strided) -> float32 [m, n] (+ bias), row-exact."""
+        return self._call(x, bias, threads, per_segment_rows=False)
+
+    def linear_rows(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                    threads: int | None = None) -> torch.Tensor:
+        """Segment s times row s of x [segments, k] -> float32 [1, n] (+ bias), the segments' outputs
+        side by side: a MoE decode row's k down projections, each on its own expert's input, in one
+        call. Each output has the bits of `BlockLinear([segment]).linear(x[s : s + 1])`."""
+        return self._call(x, bias, threads, per_segment_rows=True)
+
+    def _call(self, x: torch.Tensor, bias: torch.Tensor | None, threads: int | None,
+              per_segment_rows: bool) -> torch.Tensor:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.stride(1) != 1 or not x.is_cpu:
             x = x.float().contiguous().cpu()
         m = x.shape[0]
-        out = torch.empty(m, self.n, dtype=torch.float32)
+        if per_segment_rows and m != len(self.weights):
+            raise ValueError(f"block_linear_rows: {m} rows for {len(self.weights)} segments")
+        out = torch.empty(1 if per_segment_rows else m, self.n, dtype=torch.float32)
         if bias is not None:
             bias = bias.float().contiguous()
         lib = library()
         if lib is None:
             raise RuntimeError("block_linear: no C compiler here")
         data, types, ns = self.segments(lib)
-        status = lib.block_linear(x.data_ptr(), m, self.k, x.stride(0), len(self.weights), data, types, ns,
-                                  bias.data_ptr() if bias is not None else None, out.data_ptr(), self.n,
-                                  torch.get_num_threads() if threads is None else threads)
+        head = (x.data_ptr(), m, self.k, x.stride(0), len(self.weights), data, types, ns,
+                bias.data_ptr() if bias is not None else None, out.data_ptr())
+        threads = torch.get_num_threads() if threads is None else threads
+        status = lib.block_linear_rows(*head, threads) if per_segment_rows else lib.block_linear(*head, self.n, threads)
         if status == -2:
             raise MemoryError(f"block_linear: no memory for [{m}, {self.k}] activations")
         if status:

@@ -1003,6 +1003,7 @@ struct job {
     float *out;
     int64_t ldo, groups_per_task, total_groups;
     const int64_t *group_start; /* first global group of each segment */
+    int per_segment_rows;       /* block_linear_rows: segment s reads row s alone, into output row 0 */
 };
 
 /* How far ahead of the block being read the one-row path asks for weights (bytes). */
@@ -1538,6 +1539,14 @@ int64_t block_gemm_amx_calls(void) { return __atomic_load_n(&amx_calls, __ATOMIC
 int block_gemm_amx_min_rows(void) { return AMX_MIN_ROWS; }
 
 static void run_group(const struct job *job, int seg, int64_t g, float *acc, struct unpacked *u) {
+    if (job->per_segment_rows) { /* the one-row call of row `seg` on this segment's weights */
+        struct job one = *job;
+        one.m = 1, one.per_segment_rows = 0, one.a32 = job->a32 + seg, one.a256 = job->a256 + seg;
+        if (job->x4) one.x4 = job->x4 + seg;
+        if (job->x6) one.x6 = job->x6 + seg;
+        run_group(&one, seg, g, acc, u);
+        return;
+    }
     int type = job->types[seg];
 #if BG_X8
     if (is_x8(type)) {
@@ -1670,8 +1679,9 @@ static void quantize_task(void *context, int64_t r) {
         x8_order(a256->q, a256->s16, job->k, 16, (int8_t *)job->xa[job->m + r].q, (int32_t *)job->xa[job->m + r].pairs);
 }
 
-int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, const uint8_t *const *data,
-                 const int *types, const int64_t *ns, const float *bias, float *out, int64_t ldo, int threads) {
+static int linear_call(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, const uint8_t *const *data,
+                       const int *types, const int64_t *ns, const float *bias, float *out, int64_t ldo, int threads,
+                       int per_segment_rows) {
     int need32 = 0, need256 = 0, need_x4 = 0, need_x6 = 0;
     for (int s = 0; s < nseg; s++) {
         int64_t values = 1, bytes = 1;
@@ -1689,7 +1699,7 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
         else need32 = 1;
     }
 #if BG_AMX
-    int amx = amx_runs(m, nseg, types);
+    int amx = !per_segment_rows && amx_runs(m, nseg, types);
 #else
     int amx = 0;
 #endif
@@ -1750,7 +1760,7 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
     }
     int64_t per_task = groups / (threads * 8) > 0 ? groups / (threads * 8) : 1;
     struct job job = {m, k, a, a + m, xa, xa ? xa + m : NULL, nseg, data, types, ns, starts, bias, out, ldo,
-                      per_task, groups, group_start};
+                      per_task, groups, group_start, per_segment_rows};
 #if BG_AMX
     if (amx) amx_run(&job, t32, t256, threads);
     else
@@ -1758,4 +1768,19 @@ int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, co
         pool_for(threads, (groups + per_task - 1) / per_task, run_task, &job);
     free(q), free(d), free(s16), free(a), free(starts), free(xq), free(xp), free(xa), free(tiled);
     return 0;
+}
+
+int block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, const uint8_t *const *data,
+                 const int *types, const int64_t *ns, const float *bias, float *out, int64_t ldo, int threads) {
+    return linear_call(x, m, k, ldx, nseg, data, types, ns, bias, out, ldo, threads, 0);
+}
+
+/* Segment s times row s of x (m == nseg rows), the outputs side by side in one row of `out`: a MoE
+ * decode row's k down projections, each expert's weights on its own input, in one call. Every output
+ * is the one-row call's (the same quantized row, integers and chain: run_group runs the m == 1 path
+ * on row s). Returns block_linear's codes, -1 also where m != nseg. */
+int block_linear_rows(const float *x, int64_t m, int64_t k, int64_t ldx, int nseg, const uint8_t *const *data,
+                      const int *types, const int64_t *ns, const float *bias, float *out, int threads) {
+    if (m != nseg) return -1;
+    return linear_call(x, m, k, ldx, nseg, data, types, ns, bias, out, 0, threads, 1);
 }

@@ -166,3 +166,25 @@ def test_shapes_it_cannot_run_are_refused():
     assert block_linear.supported("Q4_K", 1536) and block_linear.supported("Q8_0", 576)
     with pytest.raises(ValueError):
         BlockLinear([weight("Q4_K", 8, 256, 1)[0], weight("Q4_0", 8, 64, 1)[0]])
+
+
+@pytest.mark.parametrize("k", [256, 768])
+def test_per_segment_rows_are_the_one_row_calls(threads: int, portable_library, monkeypatch, k: int):
+    """`linear_rows` (a MoE decode row's k down projections in one call: segment s on row s) gives
+    each segment's outputs the bits of that segment alone on that row alone, every type, odd channel
+    counts, with a bias, on this machine's build and the portable one."""
+    kinds = [*TYPES, "MXFP4", "Q4_K"]
+    weights = [weight(kind, 5 + 3 * i, k, 20 + i)[0] for i, kind in enumerate(kinds)]
+    gemm = BlockLinear(weights)
+    x = torch.randn(len(weights), k, generator=torch.Generator().manual_seed(k))
+    bias = torch.randn(gemm.n, generator=torch.Generator().manual_seed(1))
+    for lib in (block_linear.library(), portable_library):
+        monkeypatch.setattr(block_linear, "library", lambda lib=lib: lib)
+        together = gemm.linear_rows(x, bias)
+        starts = np.cumsum([0, *gemm.sizes])
+        alone = torch.cat([BlockLinear([w]).linear(x[s : s + 1], bias[starts[s] : starts[s + 1]])
+                           for s, w in enumerate(weights)], dim=1)
+        assert together.shape == (1, gemm.n) and torch.equal(together, alone)
+        monkeypatch.undo()
+    with pytest.raises(ValueError, match="rows for"):
+        gemm.linear_rows(x[:3])
