@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from agentfold.cli.args import (
     add_ctx_size_arg,
@@ -46,7 +46,44 @@ def add_parser(sub: Any) -> None:
     gen.add_argument("--json", action="store_true", help="print the telemetry line as JSON")
 
 
+class HarmonyPrinter:
+    """A harmony reply (gpt-oss) as a user reads it: its answer on stdout, its reasoning (the analysis
+    channel) on stderr after `[reasoning] `, never the control tokens; the servers' parser reads it
+    (`chat.harmony.HarmonyParser`, calls read as text: `generate` declares no tools)."""
+
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None) -> None:
+        from agentfold.chat.harmony import HarmonyParser
+
+        self.parser = HarmonyParser(enabled=False)
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.reasoning = self.answered = False
+
+    def feed(self, text: str) -> None:
+        self._show(self.parser.feed(text))
+
+    def finish(self) -> None:
+        self._show(self.parser.finish())
+        if self.reasoning and not self.answered:
+            self.err.write("\n")
+
+    def _show(self, pieces: list) -> None:
+        from agentfold.chat.harmony import ReasoningPiece
+
+        for piece in pieces:
+            if isinstance(piece, ReasoningPiece):
+                self.err.write(piece.text if self.reasoning else "[reasoning] " + piece.text)
+                self.reasoning = True
+                self.err.flush()
+                continue
+            if self.reasoning and not self.answered:
+                self.err.write("\n")
+            self.answered = True
+            self.out.write(getattr(piece, "text", ""))
+            self.out.flush()
+
+
 def run(args: argparse.Namespace) -> int:
+    from agentfold.chat.harmony import is_harmony
     from agentfold.chat.template import render_chat
     from agentfold.engine.decode import GenerationConfig
     from agentfold.engine.factory import build_engine
@@ -81,9 +118,15 @@ def run(args: argparse.Namespace) -> int:
     config = GenerationConfig(params=params, max_tokens=max_tokens, stop=tuple(args.stop), draft=not args.no_draft,
                               prediction=tuple(tokenizer.encode(prediction, add_special_tokens=False)))
     generation = engine.stream(ids, config)
+    show = HarmonyPrinter() if not args.raw and tokenizer.chat_template and is_harmony(tokenizer) else None
     for delta in generation:
+        if show is not None:
+            show.feed(delta.text)
+            continue
         sys.stdout.write(delta.text)
         sys.stdout.flush()
+    if show is not None:
+        show.finish()
     completion = generation.completion
     stats = completion.stats
     sys.stdout.write("\n")

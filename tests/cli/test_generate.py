@@ -31,3 +31,22 @@ def test_unreadable_prediction_is_one_line_exit_2(capsys, tmp_path):
     assert main(["generate", "--prediction", str(tmp_path / "missing.py"), "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert "missing.py" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_harmony_reply_prints_its_answer_and_its_reasoning_apart():
+    """gpt-oss's reply as `generate` shows it, however the stream is cut: the final message on
+    stdout, the analysis on stderr after `[reasoning] `, no control token on either."""
+    import io
+
+    from agentfold.cli.generate import HarmonyPrinter
+
+    reply = ("<|channel|>analysis<|message|>The user wants a greeting; keep it short.<|end|>"
+             "<|start|>assistant<|channel|>final<|message|>Hello, Ada!")
+    for size in range(1, 8):
+        out, err = io.StringIO(), io.StringIO()
+        printer = HarmonyPrinter(out, err)
+        for at in range(0, len(reply), size):
+            printer.feed(reply[at : at + size])
+        printer.finish()
+        assert out.getvalue() == "Hello, Ada!", size
+        assert err.getvalue() == "[reasoning] The user wants a greeting; keep it short.\n", size
