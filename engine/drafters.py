@@ -8,6 +8,7 @@ tokens after it.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Protocol
@@ -89,6 +90,9 @@ class SuffixLookupDrafter:
         return list(tokens[best_end : best_end + room])
 
 
+REJOIN_CANDIDATES = 256  # places in a prediction a rejoin compares the reply's tail with, at most
+
+
 class PredictionDrafter:
     """Drafts from what the client expects the reply to be (OpenAI's Predicted Outputs).
 
@@ -118,6 +122,7 @@ class PredictionDrafter:
 
     def reset(self) -> None:
         self._prefix = 0  # reply tokens known to equal the prediction's first ones
+        self._read = 0  # where in the prediction the last rejoin found the reply
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams) -> list[int]:
         reply = history[self.start :]
@@ -138,19 +143,25 @@ class PredictionDrafter:
         return len(reply) if self._prefix == len(reply) else None
 
     def _rejoin(self, reply: Sequence[int]) -> int | None:
-        """Where the prediction continues the longest match of the reply's tail (the first of the
-        longest, ties to the earliest: a predicted file is read top to bottom), or None."""
+        """Where the prediction continues the longest match of the reply's tail, or None. A predicted
+        file is read top to bottom: the candidates are taken from past where the last rejoin was
+        (then from the top), at most REJOIN_CANDIDATES of them (a repetitive text has thousands),
+        and of the longest matches the first so taken wins."""
         n = self.min_match
         if len(reply) < n:
             return None
+        ends = self._ends.get(tuple(reply[-n:]), [])
+        at = bisect.bisect_right(ends, self._read)
         best_end, best_len = None, 0
-        for end in self._ends.get(tuple(reply[-n:]), ()):
+        for end in (ends[at:] + ends[:at])[:REJOIN_CANDIDATES]:
             length = n
             while (length < self.max_match and length < len(reply) and end - length - 1 >= 0
                    and self.prediction[end - length - 1] == reply[-length - 1]):
                 length += 1
             if length > best_len:
                 best_end, best_len = end, length
+        if best_end is not None:
+            self._read = best_end
         return best_end
 
 

@@ -43,6 +43,17 @@ def test_drafter_prefers_the_longest_match() -> None:
     assert drafter.propose([0, 9, 3, 4], 2, GREEDY) == [30]
 
 
+def test_a_rejoin_reads_the_prediction_top_to_bottom() -> None:
+    """The same tail twice in the prediction: the first rejoin takes the first place, the next one
+    the place after it (an edited file's second similar line), not the first again."""
+    prediction = [1, 2, 9, 5, 1, 2, 8, 6]
+    drafter = PredictionDrafter(prediction, start=0)
+    assert drafter.propose([0, 1, 2], 1, GREEDY) == [9]
+    assert drafter.propose([0, 1, 2, 9, 4, 1, 2], 1, GREEDY) == [8]
+    many = PredictionDrafter([7] * 5000 + [3, 4], start=0)  # thousands of places: a bounded search
+    assert many.propose([0, 7, 7], 2, GREEDY) == [7, 7]
+
+
 @pytest.fixture(scope="module")
 def edit_prompt(smollm2_engine) -> list[int]:
     return chat_ids(smollm2_engine.tokenizer, EDIT)
