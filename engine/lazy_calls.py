@@ -58,6 +58,11 @@ _JSON_OPTIONS = {"whitespace_pattern": WS, "item_separator": ",", "key_separator
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
 
 
+# The lines every lazy grammar opens with (`LazyCallConstraint` relies on them): the mark, then free
+# text around any number of calls (`call`, which each grammar defines).
+LAZY_PRELUDE = (LAZY_MARK.rstrip("\n"), "%llguidance {}", "start: call* free", "free: TEXT", r"TEXT: /(.|\n)*/")
+
+
 def is_lazy(grammar: str | None) -> bool:
     return bool(grammar) and grammar.startswith(LAZY_MARK)
 
@@ -77,8 +82,8 @@ def lazy_tool_grammar(tools: Sequence[dict[str, Any]], special: Collection[str] 
     that are single special tokens in the served tokenizer (`special_tags`)."""
     if not tools:
         raise ValueError("a lazy tool grammar needs at least one tool")
-    lines = [LAZY_MARK.rstrip("\n"), "%llguidance {}", "start: call* free", "free: TEXT", r"TEXT: /(.|\n)*/",
-             f"WS: /{WS}/", r'xml_text[lazy]: /(.|\n)*/ "</parameter>"', f"ARGKEY: /{WS},{WS}\"(arguments|parameters)\"{WS}:{WS}/", f"CLOSE: /{WS}\\}}/"]
+    lines = [*LAZY_PRELUDE, f"WS: /{WS}/", r'xml_text[lazy]: /(.|\n)*/ "</parameter>"',
+             f"ARGKEY: /{WS},{WS}\"(arguments|parameters)\"{WS}:{WS}/", f"CLOSE: /{WS}\\}}/"]
     close = tag_rule("</tool_call>", special)
     calls, bodies, heads = [], [], []
     for i, tool in enumerate(tools):

@@ -431,13 +431,12 @@ def lazy_harmony_grammar(tools: Sequence[ToolSpec], special: frozenset[str]) -> 
     special tokens where `special` says so (gpt-oss's tokenizer: all of them).
     """
     from agentfold.engine.constraints import declared_only, tag_rule
-    from agentfold.engine.lazy_calls import LAZY_MARK, regex_literal
+    from agentfold.engine.lazy_calls import LAZY_PRELUDE, regex_literal
 
     def tag(text: str) -> str:
         return tag_rule(text, special)
 
-    lines = [LAZY_MARK.rstrip("\n"), "%llguidance {}", "start: call* free", "free: TEXT", r"TEXT: /(.|\n)*/",
-             f"header: ({tag(CHANNEL)} \"commentary\" \" \"?)? ({tag(CONSTRAIN)}? \"json\")? {tag(MESSAGE)}"]
+    lines = [*LAZY_PRELUDE, f"header: ({tag(CHANNEL)} \"commentary\" \" \"?)? ({tag(CONSTRAIN)}? \"json\")? {tag(MESSAGE)}"]
     calls = []
     for i, tool in enumerate(tools):
         schema = {**declared_only(tool.parameters or {"type": "object"}), "x-guidance": _COMPACT}

@@ -93,15 +93,16 @@ class BlockExperts(GroupedExperts):
         chosen = ids[0].tolist()
         width = self.width
         fused = BlockLinear([w for e in chosen for w in self.gate_up[e].weights])
-        biases = [self.gate_up_bias[e] for e in chosen]
-        bias = torch.cat(biases) if biases[0] is not None else None  # type: ignore[arg-type]
-        both = ops.linear(x, fused, bias).view(len(chosen), 2 * width)
+        both = ops.linear(x, fused, _joined([self.gate_up_bias[e] for e in chosen])).view(len(chosen), 2 * width)
         hidden = self.gated(both[:, :width], both[:, width:])
         down = BlockLinear([self.down[e].weights[0] for e in chosen])
-        down_biases = [self.down_bias[e] for e in chosen]
-        down_bias = torch.cat(down_biases) if down_biases[0] is not None else None  # type: ignore[arg-type]
-        outputs = down.linear_rows(hidden.float(), down_bias).view(len(chosen), -1)
+        outputs = down.linear_rows(hidden.float(), _joined([self.down_bias[e] for e in chosen])).view(len(chosen), -1)
         return combine(gates, outputs.unsqueeze(0)).to(x.dtype)
+
+
+def _joined(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The chosen experts' biases side by side, as their fused call's outputs lie (None: unbiased)."""
+    return torch.cat(biases) if biases[0] is not None else None  # type: ignore[arg-type]
 
 
 class RowByRowLinear(Linear):
@@ -116,10 +117,9 @@ class RowByRowLinear(Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:  # one C call, every row by the same fixed chain (`kernels.rowwise.float_rows`)
-            out = rowwise.float_rows(x, self.weight.t(), self.bias)
-            if out is not None:
-                return out
+        out = rowwise.float_rows(x, self.weight.t(), self.bias)  # one C call (None off the CPU / not 2-D)
+        if out is not None:
+            return out
         rows = [torch_cpu.aligned_mm(x[i : i + 1].contiguous(), self.weight) for i in range(x.shape[0])]
         out = rows[0] if len(rows) == 1 else torch.cat(rows)
         return out + self.bias if self.bias is not None else out  # (an add per element: the same bits)
